@@ -1,0 +1,10 @@
+"""Triton kernels of triton_scaler and their launch helpers.
+
+Installed as ``triton_scaler.kernels``. Importing this package imports triton; the rest of
+triton_scaler imports it lazily, only when the Triton backend is used.
+"""
+
+from .unscale import launch_unscale
+from .update import launch_update_scale
+
+__all__ = ["launch_unscale", "launch_update_scale"]

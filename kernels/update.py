@@ -1,0 +1,84 @@
+"""Device-side scale / growth-tracker / hysteresis update: one single-program kernel.
+
+The policy is torch's ``_amp_update_scale_`` extended with Megatron-core hysteresis (optionally
+DeepSpeed's consecutive refill) and a floor / cap on the scale. Factors are read from a float64
+device buffer (``PARAMS_LAYOUT``), so the factor math is fp64 like torch's and a captured CUDA
+graph sees later changes to them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PARAMS_LAYOUT = ("growth_factor", "backoff_factor", "growth_interval",
+                 "min_scale", "max_scale", "hysteresis")
+
+
+@triton.jit
+def update_scale_kernel(
+    scale_ptr,
+    growth_tracker_ptr,
+    found_inf_ptr,
+    hysteresis_tracker_ptr,
+    params_ptr,
+    HAS_HYSTERESIS: tl.constexpr,
+    CONSECUTIVE_HYSTERESIS: tl.constexpr,
+):
+    growth_factor = tl.load(params_ptr + 0)
+    backoff_factor = tl.load(params_ptr + 1)
+    growth_interval = tl.load(params_ptr + 2).to(tl.int32)
+    min_scale = tl.load(params_ptr + 3)
+    max_scale = tl.load(params_ptr + 4)
+
+    scale = tl.load(scale_ptr)
+    scale64 = scale.to(tl.float64)
+    found = tl.load(found_inf_ptr) != 0
+    successful = tl.load(growth_tracker_ptr) + 1
+    at_interval = successful == growth_interval
+
+    backed64 = scale64 * backoff_factor
+    backed = tl.where(backed64 < min_scale, min_scale, backed64).to(tl.float32)
+    grown64 = scale64 * growth_factor
+    grown = tl.where(grown64 > max_scale, max_scale, grown64).to(tl.float32)
+    grown_finite = tl.abs(grown) < float("inf")
+
+    if HAS_HYSTERESIS:
+        hysteresis = tl.load(params_ptr + 5).to(tl.int32)
+        tracker = tl.load(hysteresis_tracker_ptr)
+        decremented = tracker - 1
+        back_off = found & (decremented <= 0)
+        if CONSECUTIVE_HYSTERESIS:
+            refilled = hysteresis
+        else:
+            refilled = tl.where(at_interval, hysteresis, tracker)
+        tl.store(hysteresis_tracker_ptr, tl.where(found, decremented, refilled))
+    else:
+        back_off = found
+
+    new_scale = tl.where(found, tl.where(back_off, backed, scale),
+                         tl.where(at_interval & grown_finite, grown, scale))
+    new_tracker = tl.where(found | at_interval, 0, successful)
+    tl.store(scale_ptr, new_scale)
+    tl.store(growth_tracker_ptr, new_tracker)
+
+
+def launch_update_scale(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    params: torch.Tensor,
+    hysteresis_tracker: torch.Tensor | None,
+    consecutive_hysteresis: bool,
+) -> None:
+    """Update ``scale`` (0-d fp32), ``growth_tracker`` and ``hysteresis_tracker`` (0-d int32)
+    in place from ``found_inf`` (0-d fp32) and ``params`` (fp64, ``PARAMS_LAYOUT``), all on
+    one device. One launch, asynchronous: no host synchronisation."""
+    has_hysteresis = hysteresis_tracker is not None
+    update_scale_kernel[(1,)](
+        scale, growth_tracker, found_inf,
+        hysteresis_tracker if has_hysteresis else growth_tracker, params,
+        HAS_HYSTERESIS=has_hysteresis, CONSECUTIVE_HYSTERESIS=consecutive_hysteresis,
+        num_warps=1, enable_fp_fusion=False,
+    )

@@ -1,0 +1,13 @@
+"""triton_scaler: a drop-in ``torch.amp.GradScaler`` with fused Triton kernels.
+
+Importing this package does not import triton; the kernels load on first use.
+"""
+
+from . import ops
+from .buckets import GradBuckets
+from .grad_scaler import GradScaler, MinScaleReachedError, ScalerArgumentError
+from .ops import all_finite
+
+__all__ = ["GradScaler", "GradBuckets", "MinScaleReachedError", "ScalerArgumentError",
+           "all_finite", "ops"]
+__version__ = "0.1.0"

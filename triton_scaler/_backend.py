@@ -1,0 +1,51 @@
+"""Backend selection: ``"auto"``, ``"reference"`` (pure PyTorch) or ``"triton"``."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal
+
+import torch
+
+BACKENDS = ("auto", "reference", "triton")
+Backend = Literal["auto", "reference", "triton"]
+
+
+def check_backend(backend: object) -> None:
+    """Raise ``ValueError`` naming the accepted values unless ``backend`` is one of them."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}")
+
+
+def triton_available() -> bool:
+    """Whether the ``triton`` package can be imported (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1`` was set
+    before triton_scaler's kernels were first imported)."""
+    from triton_scaler.kernels.unscale import is_interpreting
+
+    return is_interpreting()
+
+
+def resolve_backend(backend: str, device: torch.device) -> Literal["reference", "triton"]:
+    """The concrete backend for tensors on ``device``.
+
+    ``"auto"`` picks ``"triton"`` for CUDA tensors when triton is importable, else
+    ``"reference"``. ``"triton"`` on non-CUDA tensors works only under the interpreter.
+    """
+    check_backend(backend)
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "reference"
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("backend='triton' needs the 'triton' package; install it or use "
+                               "backend='reference'")
+        if device.type != "cuda" and not triton_interpreting():
+            raise RuntimeError(
+                f"backend='triton' runs on CUDA tensors; got tensors on {device}. On CPU use "
+                "backend='reference' (or 'auto'), or set TRITON_INTERPRET=1 before importing "
+                "triton to run the kernels through Triton's interpreter")
+    return backend  # type: ignore[return-value]

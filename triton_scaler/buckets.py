@@ -1,0 +1,140 @@
+"""Flat gradient buckets: one contiguous gradient buffer per (device, dtype), every ``.grad`` a
+view into it, so the scaler unscales a whole bucket with one kernel launch."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+
+_ALIGN_BYTES = 16
+_REGISTRY_ATTR = "_triton_scaler_buckets"
+
+
+class GradBucket:
+    """One contiguous gradient buffer for parameters of one device and dtype."""
+
+    def __init__(self, params: list[torch.nn.Parameter], on_detach: str) -> None:
+        self.params = params
+        self.device = params[0].device
+        self.dtype = params[0].dtype
+        align = _ALIGN_BYTES // params[0].element_size()
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += -(-p.numel() // align) * align  # each view starts 16-byte aligned
+        self.buffer = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self.views = [self.buffer[o:o + p.numel()].view_as(p) for o, p in zip(offsets, params)]
+        self.param_ids = frozenset(id(p) for p in params)
+        self._on_detach = on_detach
+        self._warned = False
+        with torch.no_grad():
+            for p, view in zip(params, self.views):
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+
+    def attach_grads(self) -> frozenset[int]:
+        """Check that every grad is still its view and deal with those that are not.
+
+        Returns the ids of the parameters whose grads this bucket's buffer now holds. A grad
+        replaced by ``zero_grad(set_to_none=True)`` is copied back into its view
+        (``on_detach="reattach"``) or left to the per-tensor path (``"warn"``); both warn once.
+        """
+        detached = [(p, v) for p, v in zip(self.params, self.views) if p.grad is not v]
+        if not detached:
+            return self.param_ids
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{len(detached)} gradient(s) are no longer views into their GradBucket (was "
+                "optimizer.zero_grad() called with set_to_none=True?). "
+                + ("They are copied back into the bucket each step, which costs a copy; "
+                   if self._on_detach == "reattach" else
+                   "They take the per-tensor path, off the one-launch fast path; ")
+                + "call buckets.zero_() or optimizer.zero_grad(set_to_none=False) instead.",
+                stacklevel=4)
+        outside = set()
+        with torch.no_grad():
+            for p, view in detached:
+                grad = p.grad
+                if grad is not None and self._on_detach == "reattach" and not grad.is_sparse:
+                    view.copy_(grad)
+                    p.grad = view
+                else:
+                    view.zero_()  # the bucket launch must not see stale values
+                    outside.add(id(p))
+        return self.param_ids - outside
+
+
+class GradBuckets:
+    """Contiguous gradient buckets for an optimizer's (or a parameter list's) parameters.
+
+    Args:
+        optimizer_or_params: a ``torch.optim.Optimizer`` (the buckets register on it and
+            :class:`triton_scaler.GradScaler` then covers each bucket with one launch) or an
+            iterable of parameters. Parameters without ``requires_grad`` are left out; a
+            parameter listed twice is bucketed once; a parameter already in other buckets is
+            rejected with ``ValueError``.
+        on_detach: ``"reattach"`` (default) or ``"warn"``, what to do when a grad stops being a
+            view, e.g. after ``optimizer.zero_grad()`` with ``set_to_none=True``.
+
+    Use :meth:`zero_` (one fill per bucket) instead of ``optimizer.zero_grad()``. Parameters
+    added to the optimizer later are unscaled by the per-tensor path. Buckets hold no state of
+    their own: model and optimizer checkpoints are unaffected.
+    """
+
+    def __init__(
+        self,
+        optimizer_or_params: torch.optim.Optimizer | Iterable[torch.nn.Parameter],
+        *,
+        on_detach: Literal["reattach", "warn"] = "reattach",
+    ) -> None:
+        if on_detach not in ("reattach", "warn"):
+            raise ValueError(f"on_detach must be 'reattach' or 'warn'; got {on_detach!r}")
+        optimizer = optimizer_or_params if isinstance(optimizer_or_params,
+                                                      torch.optim.Optimizer) else None
+        params = ([p for g in optimizer.param_groups for p in g["params"]] if optimizer
+                  else list(optimizer_or_params))
+        groups: dict[tuple, list[torch.nn.Parameter]] = {}
+        seen: set[int] = set()
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"parameter {i} is a {type(p).__name__}, not a tensor")
+            if not p.requires_grad or id(p) in seen:
+                continue
+            if getattr(p, "_triton_scaler_bucketed", False):
+                raise ValueError(f"parameter {i} already belongs to other GradBuckets; build "
+                                 "one GradBuckets per optimizer, over disjoint parameters")
+            if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise TypeError(f"parameter {i} has dtype {p.dtype}; buckets hold float32, "
+                                "float16 or bfloat16 grads")
+            seen.add(id(p))
+            groups.setdefault((p.device, p.dtype), []).append(p)
+        self.buckets = [GradBucket(ps, on_detach) for ps in groups.values()]
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p._triton_scaler_bucketed = True
+        if optimizer is not None:
+            setattr(optimizer, _REGISTRY_ATTR, getattr(optimizer, _REGISTRY_ATTR, []) + self.buckets)
+
+    def zero_(self) -> None:
+        """Zero every bucket (one fill each) and re-point every grad at its view."""
+        for bucket in self.buckets:
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not view:
+                    p.grad = view
+            bucket.buffer.zero_()
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def __iter__(self):
+        return iter(self.buckets)
+
+
+def buckets_of(optimizer: torch.optim.Optimizer) -> list[GradBucket]:
+    """The buckets registered on ``optimizer`` (empty when it has none)."""
+    return getattr(optimizer, _REGISTRY_ATTR, [])

@@ -1,0 +1,304 @@
+"""``triton_scaler.GradScaler``: a drop-in ``torch.amp.GradScaler`` whose device work runs in
+fused Triton kernels (or the bit-exact PyTorch reference path), with the extensions of
+Megatron-core, DeepSpeed, apex and MindSpore scalers."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
+
+from . import ops
+from ._backend import Backend, check_backend
+from ._state import ScalerStateMixin
+from .buckets import buckets_of
+
+
+class MinScaleReachedError(RuntimeError):
+    """An overflow arrived while the scale was already at ``min_scale`` and
+    ``raise_at_min_scale=True`` (DeepSpeed's ``raise_error_at_min_scale``)."""
+
+
+class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
+    """Drop-in replacement for :class:`torch.amp.GradScaler`.
+
+    The positional arguments and defaults are torch's; with them the scale trajectory, growth
+    tracker and parameters are bit-identical to torch's scaler. Keyword-only extensions, all
+    off by default:
+
+    Args:
+        hysteresis: overflows tolerated before backing off (Megatron-core); the tracker
+            refills on growth. Int >= 1.
+        consecutive_hysteresis: also refill on every clean step (DeepSpeed, apex).
+        min_scale: floor of the backoff, finite and >= 0. max_scale: cap of the growth.
+        raise_at_min_scale: raise :class:`MinScaleReachedError` from :meth:`update` when an
+            overflow backs off at ``min_scale``. This reads one flag from the device in
+            ``update`` (one host sync), so it is off by default.
+        dynamic: ``False`` keeps the scale fixed (static loss scaling); overflows still skip.
+        backend: ``"auto"`` (Triton for CUDA tensors, reference otherwise), ``"reference"``
+            or ``"triton"``.
+        process_group: found_inf is all-reduced (MAX) over this group before every step
+            decision, on both the plain and the fused-optimizer route (sharded gradients).
+
+    Synchronisation: :meth:`scale`, :meth:`unscale_` and :meth:`update` never synchronise;
+    :meth:`step` reads one flag for optimizers without ``_step_supports_amp_scaling`` (as
+    torch) and none for fused optimizers.
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
+        min_scale: float = 0.0,
+        max_scale: float = math.inf,
+        raise_at_min_scale: bool = False,
+        dynamic: bool = True,
+        backend: Backend = "auto",
+        process_group: Any = None,
+    ) -> None:
+        _check_arguments(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+                         min_scale, max_scale, consecutive_hysteresis, raise_at_min_scale,
+                         dynamic, backend)
+        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval,
+                         enabled)
+        self._hysteresis = hysteresis
+        self._consecutive_hysteresis = consecutive_hysteresis
+        self._min_scale = float(min_scale)
+        self._max_scale = float(max_scale)
+        self._raise_at_min_scale = raise_at_min_scale
+        self._dynamic = dynamic
+        self._backend = backend
+        self._process_group = process_group
+        self._init_extension_state()
+
+    # ------------------------------------------------------------------ device work
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        return self._unscale_or_check(optimizer, inv_scale, found_inf, allow_fp16, write=True)
+
+    def _unscale_or_check(self, optimizer, inv_scale, found_inf, allow_fp16, *, write):
+        per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
+        per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        per_device_and_dtype: dict = defaultdict(lambda: defaultdict(list))
+        launch = ops.non_finite_check_and_unscale_ if write else ops.non_finite_check_
+        with torch.no_grad():
+            covered = set()
+            for bucket in buckets_of(optimizer):
+                if bucket.dtype == torch.float16 and not allow_fp16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                covered.update(bucket.attach_grads())
+                launch([bucket.buffer], per_device_found_inf.get(bucket.device),
+                       per_device_inv_scale.get(bucket.device), backend=self._backend)
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None or id(param) in covered:
+                        continue
+                    if (not allow_fp16) and param.grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    if param.grad.is_sparse:
+                        if param.grad.dtype is torch.float16:
+                            param.grad = param.grad.coalesce()
+                        to_unscale = param.grad._values()
+                    else:
+                        to_unscale = param.grad
+                    per_device_and_dtype[to_unscale.device][to_unscale.dtype].append(to_unscale)
+            for device, per_dtype in per_device_and_dtype.items():
+                for grads in per_dtype.values():
+                    launch(grads, per_device_found_inf.get(device),
+                           per_device_inv_scale.get(device), backend=self._backend)
+        return per_device_found_inf._per_device_tensors
+
+    def _inv_scale(self) -> torch.Tensor:
+        return self._scale.double().reciprocal().float()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale the optimizer's grads in place and record whether any is non-finite.
+        One fused launch per bucket / (device, dtype) group. No host sync."""
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, self._inv_scale(),
+                                                             found_inf, False)
+        state["stage"] = OptState.UNSCALED
+        self._agree_found_inf(state, start_host_copy=True)
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
+        """Read-only inf/NaN check of the optimizer's grads (the fused-optimizer route)."""
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = self._unscale_or_check(
+            optimizer, self._inv_scale(), found_inf, True, write=False)
+        state.pop("found_inf_agreed", None)
+        return state["found_inf_per_device"]
+
+    def _agree_found_inf(self, state: dict[str, Any], *, start_host_copy: bool = False):
+        """0-d float32 found_inf on the scale's device, exactly 0.0 or 1.0: the max over
+        devices, all-reduced (MAX) over ``process_group``. Cached in the optimizer state."""
+        agreed = state.get("found_inf_agreed")
+        if agreed is not None:
+            return agreed
+        values = [t.to(self._scale.device, non_blocking=True)
+                  for t in state["found_inf_per_device"].values()]
+        if not values:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        agreed = values[0].clone() if len(values) == 1 else torch.stack(values).amax()
+        if self._process_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._process_group)
+            state["found_inf_per_device"] = {agreed.device: agreed}
+        state["found_inf_agreed"] = agreed
+        if start_host_copy and agreed.is_cuda:
+            # Start the device-to-host copy now so step()'s one read overlaps Python work.
+            host = torch.empty((), dtype=torch.float32, pin_memory=True)
+            host.copy_(agreed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            state["found_inf_host"] = (host, event)
+        return agreed
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        agreed = self._agree_found_inf(optimizer_state)
+        host = optimizer_state.get("found_inf_host")
+        if host is not None:
+            host[1].synchronize()
+            flag = host[0]
+        else:
+            flag = agreed
+        if not flag.item():  # the one host sync of the plain route, as torch
+            return optimizer.step(*args, **kwargs)
+        return None
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
+        """Unscale (unless :meth:`unscale_` ran) and call ``optimizer.step()`` unless a grad is
+        non-finite. Plain optimizers: one host sync. Fused optimizers
+        (``_step_supports_amp_scaling``): a read-only check, ``grad_scale`` / ``found_inf``
+        (exactly 0.0 or 1.0) handed to the optimizer, which skips on the device; no sync."""
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._fused_step(optimizer, state, *args, **kwargs)
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        if len(state["found_inf_per_device"]) == 0:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        retval = self._maybe_opt_step(optimizer, state, *args, **kwargs)
+        state["stage"] = OptState.STEPPED
+        return retval
+
+    def _fused_step(self, optimizer, state, *args, **kwargs):
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them "
+                "directly.", FutureWarning, stacklevel=3)
+            retval = optimizer.step(*args, **kwargs, grad_scaler=self)
+            state["stage"] = OptState.STEPPED
+            return retval
+        if state["stage"] is OptState.READY:
+            self._check_inf_per_device(optimizer)
+        scale = self._get_scale_async()
+        optimizer.grad_scale = (getattr(optimizer, "grad_scale", None)
+                                if state["stage"] is OptState.UNSCALED
+                                else scale * getattr(optimizer, "grad_scale", 1))
+        optimizer.found_inf = self._agree_found_inf(state)
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+        state["stage"] = OptState.STEPPED
+        return retval
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Update the scale from this iteration's overflow flags, on the device: torch's rule
+        plus hysteresis, min / max scale and static scaling. Also records
+        :attr:`last_step_skipped` and :attr:`skipped_steps`. No host sync (unless
+        ``raise_at_min_scale=True``: one flag read). ``new_scale`` sets the scale as torch."""
+        if not self._enabled:
+            return
+        scale, growth_tracker = self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            super().update(new_scale)
+            return
+        states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
+        if not states:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        flags = [self._agree_found_inf(s) for s in states]
+        found_inf = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+        skipped = found_inf != 0
+        self._last_step_skipped.copy_(skipped)
+        self._skipped_steps_t.add_(skipped)
+        if self._dynamic:
+            if self._raise_at_min_scale:
+                self._raise_if_at_min_scale(skipped)
+            ops.update_scale_(
+                scale, growth_tracker, found_inf, self._growth_factor, self._backoff_factor,
+                self._growth_interval, hysteresis_tracker=self._hysteresis_tracker_t,
+                hysteresis=self._hysteresis, consecutive_hysteresis=self._consecutive_hysteresis,
+                min_scale=self._min_scale, max_scale=self._max_scale, backend=self._backend,
+                params=self._params_t)
+        self._per_optimizer_states = defaultdict(torch.amp.grad_scaler._refresh_per_optimizer_state)
+
+    def _raise_if_at_min_scale(self, skipped: torch.Tensor) -> None:
+        backs_off = skipped
+        if self._hysteresis_tracker_t is not None:
+            backs_off = backs_off & (self._hysteresis_tracker_t <= 1)
+        if (backs_off & (self._scale <= self._min_scale)).item():
+            raise MinScaleReachedError(
+                f"Current loss scale already at minimum ({self._min_scale}) - cannot decrease "
+                "scale anymore (raise_at_min_scale=True).")
+
+
+def _check_arguments(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+                     min_scale, max_scale, consecutive_hysteresis, raise_at_min_scale, dynamic,
+                     backend) -> None:
+    check_backend(backend)
+    if isinstance(growth_factor, (int, float)) and not isinstance(growth_factor, bool) \
+            and growth_factor <= 1.0:
+        raise ScalerArgumentError(f"The growth factor must be > 1.0. Got growth_factor={growth_factor!r}.")
+    if isinstance(backoff_factor, (int, float)) and not isinstance(backoff_factor, bool) \
+            and backoff_factor >= 1.0:
+        raise ScalerArgumentError(f"The backoff factor must be < 1.0. Got backoff_factor={backoff_factor!r}.")
+    ops.check_policy(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
+    if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) \
+            or not 0.0 < init_scale < math.inf:
+        raise ValueError(f"init_scale must be a finite number > 0; got {init_scale!r}")
+    if not min_scale <= init_scale <= max_scale:
+        raise ValueError(f"init_scale must lie in [min_scale, max_scale] = [{min_scale}, "
+                         f"{max_scale}]; got {init_scale!r}")
+    for name, value in (("consecutive_hysteresis", consecutive_hysteresis),
+                        ("raise_at_min_scale", raise_at_min_scale), ("dynamic", dynamic)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool; got {value!r}")
+
+
+class ScalerArgumentError(ValueError, AssertionError):
+    """A bad scaler argument. A ``ValueError``, and an ``AssertionError`` where torch's
+    GradScaler raises one for the same value (growth_factor <= 1, backoff_factor >= 1)."""
