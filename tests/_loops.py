@@ -1,0 +1,60 @@
+"""A small mixed-precision training loop, run under any scaler, for parity tests."""
+
+import torch
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 33), torch.nn.GELU(), torch.nn.Linear(33, 7),
+                               torch.nn.LayerNorm(7), torch.nn.Linear(7, 3))
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+}
+
+
+def train(scaler, optimizer_name="adamw", *, steps=25, clip=False, two_optimizers=False,
+          overflow_at=(3, 4, 11), buckets=None, zero_grad=None, accumulate=1):
+    """Returns ((scale, growth_tracker) after every update, params, optimizers)."""
+    model = make_model()
+    params = list(model.parameters())
+    groups = [params[:3], params[3:]] if two_optimizers else [params]
+    optimizers = [OPTIMIZERS[optimizer_name](g) for g in groups]
+    if buckets is not None:
+        for opt in optimizers:
+            buckets(opt)
+    gen = torch.Generator().manual_seed(1)
+    trajectory = []
+    for step in range(steps):
+        for _ in range(accumulate):
+            x = torch.randn(9, 12, generator=gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            if step in overflow_at:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+        if clip:
+            for opt in optimizers:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+        for opt in optimizers:
+            scaler.step(opt)
+        scaler.update()
+        for opt in optimizers:
+            (zero_grad or (lambda o: o.zero_grad()))(opt)
+        trajectory.append((scaler.get_scale(), scaler._get_growth_tracker()))
+    return trajectory, [p.detach().clone() for p in params], optimizers
+
+
+def assert_same_optimizer_state(a, b):
+    for pa, pb in zip(a.state.values(), b.state.values()):
+        assert pa.keys() == pb.keys()
+        for key in pa:
+            if isinstance(pa[key], torch.Tensor):
+                assert torch.equal(pa[key], pb[key]), key
+            else:
+                assert pa[key] == pb[key], key

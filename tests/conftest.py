@@ -1,0 +1,28 @@
+"""Test setup: every Triton kernel runs through Triton's CPU interpreter unless a GPU is used.
+
+``TRITON_INTERPRET=1`` must be set before triton is imported, so it is set here, first.
+"""
+
+import os
+
+if os.environ.get("TRITON_SCALER_GPU_TESTS") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+BACKENDS = ["reference", "triton"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Each test using it runs on the reference path and on the Triton kernels."""
+    return request.param
+
+
+@pytest.fixture
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return torch.device("cuda")

@@ -1,0 +1,191 @@
+"""non_finite_check_and_unscale_ / non_finite_check_ / all_finite against torch's own op."""
+
+import math
+
+import pytest
+import torch
+from _util import assert_all_same, assert_same
+
+from triton_scaler import all_finite, ops
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BLOCK = 1 << 16  # the interpreter's block: sizes straddle it
+SIZES = [0, 1, 7, 4095, BLOCK - 1, BLOCK + 1, 3 * BLOCK + 5]
+SPECIALS = [math.inf, -math.inf, math.nan]
+
+
+def _grads(sizes, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, generator=gen) * 3000).to(dtype) for n in sizes]
+
+
+def _oracle(grads, inv_scale):
+    expected = [g.clone() for g in grads]
+    found = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, found, inv_scale)
+    return expected, found
+
+
+def _run(grads, inv_scale, backend):
+    found = torch.zeros(())
+    ops.non_finite_check_and_unscale_(grads, found, inv_scale, backend=backend)
+    return found
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", SIZES)
+def test_single_tensor_matches_torch(backend, dtype, size):
+    grads = _grads([size], dtype)
+    inv = torch.tensor(1 / 3.0)  # not a power of two: every rounding is exercised
+    expected, found_expected = _oracle(grads, inv)
+    found = _run(grads, inv, backend)
+    assert_all_same(grads, expected)
+    assert_same(found, found_expected)
+    assert found.item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("special", SPECIALS)
+@pytest.mark.parametrize("where", ["first_of_first", "last_of_first", "first_of_last",
+                                   "last_of_last"])
+def test_planted_non_finite_matches_torch(backend, dtype, special, where):
+    grads = _grads([5, BLOCK + 3, 0, 1, 2 * BLOCK - 1], dtype, seed=1)
+    tensor = grads[0] if where.endswith("first") else grads[-1]
+    tensor[0 if where.startswith("first") else -1] = special
+    inv = torch.tensor(2.0**-16)
+    expected, found_expected = _oracle(grads, inv)
+    found = _run(grads, inv, backend)
+    assert found.item() == 1.0 and found_expected.item() == 1.0
+    assert_all_same(grads, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_tensors", [1, 2, 37])
+def test_many_tensors_match_torch(backend, dtype, n_tensors):
+    sizes = [(i * 7919) % 5000 for i in range(n_tensors)]
+    grads = _grads(sizes, dtype, seed=n_tensors)
+    inv = torch.tensor(1 / 12345.0)
+    expected, _ = _oracle(grads, inv)
+    found = _run(grads, inv, backend)
+    assert_all_same(grads, expected)
+    assert found.item() == 0.0
+
+
+def test_mixed_dtypes_and_non_contiguous(backend):
+    base = _grads([64 * 33], torch.float32, seed=3)[0].view(64, 33)
+    other = _grads([64 * 33], torch.float32, seed=4)[0].view(64, 33)
+    grads = [base.t(), other[:, ::2], _grads([999], torch.float16)[0],
+             _grads([4 * 3 * 5], torch.bfloat16)[0].view(4, 3, 5).permute(2, 0, 1)]
+    assert not any(g.is_contiguous() for g in grads[:2])
+    grads[1][-1, -1] = math.nan
+    inv = torch.tensor(0.7)
+    expected = [g.clone() for g in grads]
+    found_expected = torch.zeros(())
+    for g in expected:  # torch's op, one dtype at a time
+        torch._amp_foreach_non_finite_check_and_unscale_([g], found_expected, inv)
+    found = _run(grads, inv, backend)
+    assert_all_same(grads, expected)
+    assert found.item() == 1.0 == found_expected.item()
+    assert_same(base.t(), grads[0])  # written through the view, base shares storage
+
+
+def test_found_inf_is_sticky_and_never_cleared(backend):
+    grads = _grads([100], torch.float32)
+    found = torch.ones(())
+    ops.non_finite_check_and_unscale_(grads, found, torch.tensor(0.5), backend=backend)
+    assert found.item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_products_are_flagged(backend, dtype):
+    """torch misses an overflowing product (scale < 1, or scale 0 -> inv_scale inf)."""
+    big = torch.tensor([1.0, torch.finfo(dtype).max], dtype=torch.float32).to(dtype)
+    found = _run([big.clone()], torch.tensor(4.0), backend)
+    assert found.item() == 1.0
+    found = _run([torch.ones(10, dtype=dtype)], torch.tensor(math.inf), backend)
+    assert found.item() == 1.0
+    _, found_torch = _oracle([torch.ones(10, dtype=dtype)], torch.tensor(math.inf))
+    assert found_torch.item() == 0.0  # the hole this closes
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_check_only_leaves_grads_untouched(backend, dtype):
+    grads = _grads([3, BLOCK + 2], dtype)
+    before = [g.clone() for g in grads]
+    found = torch.zeros(())
+    ops.non_finite_check_(grads, found, torch.tensor(2.0**-10), backend=backend)
+    assert found.item() == 0.0
+    assert_all_same(grads, before)
+    grads[1][-1] = -math.inf
+    ops.non_finite_check_(grads, found, torch.tensor(2.0**-10), backend=backend)
+    assert found.item() == 1.0
+    assert grads[1][-1].item() == -math.inf
+
+
+def test_all_finite(backend):
+    grads = _grads([10, 0, BLOCK + 1], torch.float16)
+    flag = all_finite(grads, backend=backend)
+    assert flag.dtype == torch.bool and flag.shape == () and flag.item()
+    grads[2][-1] = math.nan
+    assert not all_finite(grads, backend=backend).item()
+    assert all_finite([], backend=backend).item()
+
+
+def test_empty_list_and_empty_tensors(backend):
+    found = torch.zeros(())
+    ops.non_finite_check_and_unscale_([], found, torch.tensor(1.0), backend=backend)
+    ops.non_finite_check_and_unscale_([torch.empty(0), torch.empty(0, 3)], found,
+                                      torch.tensor(1.0), backend=backend)
+    assert found.item() == 0.0
+
+
+def test_repeated_calls_reuse_the_cached_chunk_table():
+    from triton_scaler.kernels import unscale
+
+    grads = _grads([10, 20, 30], torch.float32)
+    unscale._tables.clear()
+    for _ in range(3):
+        ops.non_finite_check_and_unscale_(grads, torch.zeros(()), torch.tensor(1.0),
+                                          backend="triton")
+    assert len(unscale._tables) == 1
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ("fast", ValueError, "backend must be one of 'auto', 'reference', 'triton'"),
+    (None, ValueError, "backend must be one of"),
+])
+def test_bad_backend(bad, error, match):
+    with pytest.raises(error, match=match):
+        ops.non_finite_check_and_unscale_([torch.ones(2)], torch.zeros(()), torch.ones(()),
+                                          backend=bad)
+
+
+def test_bad_arguments():
+    g, f, inv = [torch.ones(2)], torch.zeros(()), torch.ones(())
+    with pytest.raises(TypeError, match="found_inf must be a one-element torch.float32"):
+        ops.non_finite_check_and_unscale_(g, torch.zeros((), dtype=torch.float64), inv)
+    with pytest.raises(TypeError, match="inv_scale must be a one-element"):
+        ops.non_finite_check_and_unscale_(g, f, torch.ones(2))
+    with pytest.raises(TypeError, match=r"grads\[0\] has dtype torch.int64"):
+        ops.non_finite_check_and_unscale_([torch.ones(2, dtype=torch.int64)], f, inv)
+    with pytest.raises(TypeError, match="not a single tensor"):
+        ops.non_finite_check_and_unscale_(torch.ones(2), f, inv)
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    from triton_scaler.kernels import unscale
+
+    monkeypatch.setattr(unscale, "is_interpreting", lambda: False)
+    with pytest.raises(RuntimeError, match="backend='triton' runs on CUDA tensors"):
+        ops.non_finite_check_and_unscale_([torch.ones(2)], torch.zeros(()), torch.ones(()),
+                                          backend="triton")
+
+
+def test_auto_picks_reference_on_cpu(monkeypatch):
+    from triton_scaler import reference
+
+    calls = []
+    monkeypatch.setattr(reference, "non_finite_check_and_unscale_",
+                        lambda *a: calls.append(a))
+    ops.non_finite_check_and_unscale_([torch.ones(2)], torch.zeros(()), torch.ones(()))
+    assert len(calls) == 1

@@ -1,0 +1,122 @@
+"""update_scale_ against torch._amp_update_scale_ and the peers' policies."""
+
+import math
+
+import pytest
+import torch
+from _peers import DeepSpeedDynamicLossScaler, MegatronDynamicGradScaler, overflow_bursts
+from _util import assert_same
+
+from triton_scaler import ops
+
+
+def _state(scale):
+    return (torch.tensor(scale, dtype=torch.float32), torch.zeros((), dtype=torch.int32))
+
+
+@pytest.mark.parametrize("growth, backoff, interval, init", [
+    (2.0, 0.5, 3, 2.0**16),
+    (1.7, 0.37, 2, 1000.0),          # non-power-of-two factors: fp64 math or drift
+    (3.1, 0.9, 1, 2.0**120),         # growth past fp32 max is refused
+    (1.0001, 0.999, 5, 1e-30),
+])
+def test_matches_torch_over_random_steps(backend, growth, backoff, interval, init):
+    gen = torch.Generator().manual_seed(int(interval * 1000 + growth * 10))
+    ours, theirs = _state(init), _state(init)
+    for step in range(300):
+        found = torch.tensor(float(torch.rand((), generator=gen) < 0.2), dtype=torch.float32)
+        if step % 97 == 5:
+            found = torch.tensor(2.0)  # torch's scaler passes sums over devices
+        ops.update_scale_(*ours, found, growth, backoff, interval, backend=backend)
+        torch._amp_update_scale_(*theirs, found, growth, backoff, interval)
+        assert_same(ours[0], theirs[0])
+        assert_same(ours[1], theirs[1])
+
+
+def test_growth_refused_at_fp32_max_keeps_tracker_reset(backend):
+    scale, tracker = _state(torch.finfo(torch.float32).max / 1.5)
+    ops.update_scale_(scale, tracker, torch.zeros(()), 2.0, 0.5, 1, backend=backend)
+    assert scale.item() == pytest.approx(torch.finfo(torch.float32).max / 1.5)
+    assert tracker.item() == 0
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+@pytest.mark.parametrize("min_scale", [0.0, 1.0, 64.0])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_hysteresis_matches_megatron(backend, hysteresis, min_scale, seed):
+    init = 2.0**12
+    peer = MegatronDynamicGradScaler(init, min_scale, 2.0, 0.5, 4, hysteresis)
+    scale, tracker = _state(init)
+    hyst = torch.tensor(hysteresis, dtype=torch.int32)
+    for overflow in overflow_bursts(400, seed, p_start=0.15):
+        peer.update(overflow)
+        ops.update_scale_(scale, tracker, torch.tensor(float(overflow)), 2.0, 0.5, 4,
+                          hysteresis_tracker=hyst, hysteresis=hysteresis,
+                          min_scale=min_scale, backend=backend)
+        assert scale.item() == peer._scale.item()
+        assert tracker.item() == peer._growth_tracker
+        assert hyst.item() == peer._hysteresis_tracker
+
+
+@pytest.mark.parametrize("delayed_shift", [1, 2, 3])
+def test_consecutive_hysteresis_backoff_matches_deepspeed(backend, delayed_shift):
+    """DeepSpeed's consecutive hysteresis: only runs of ``delayed_shift`` overflows back off.
+    (Its growth timing differs by one step; the DeepSpeed adapter handles that.)"""
+    peer = DeepSpeedDynamicLossScaler(2.0**20, 2.0, 10**9, 1.0, delayed_shift, True, False)
+    scale, tracker = _state(2.0**20)
+    hyst = torch.tensor(delayed_shift, dtype=torch.int32)
+    for overflow in overflow_bursts(300, delayed_shift, p_start=0.2):
+        peer.update_scale(overflow)
+        ops.update_scale_(scale, tracker, torch.tensor(float(overflow)), 2.0, 0.5, 10**9,
+                          hysteresis_tracker=hyst, hysteresis=delayed_shift,
+                          consecutive_hysteresis=True, min_scale=1.0, backend=backend)
+        assert scale.item() == peer.cur_scale
+
+
+def test_min_and_max_scale(backend):
+    scale, tracker = _state(8.0)
+    for _ in range(10):
+        ops.update_scale_(scale, tracker, torch.ones(()), 2.0, 0.5, 1, min_scale=2.0,
+                          backend=backend)
+    assert scale.item() == 2.0
+    for _ in range(10):
+        ops.update_scale_(scale, tracker, torch.zeros(()), 2.0, 0.5, 1, max_scale=100.0,
+                          backend=backend)
+    assert scale.item() == 100.0
+
+
+def test_triton_reads_factors_from_the_params_buffer():
+    scale, tracker = _state(1.0)
+    params = ops.policy_params(2.0, 0.5, 1, 0.0, math.inf, 1, torch.device("cpu")).clone()
+    ops.update_scale_(scale, tracker, torch.zeros(()), 2.0, 0.5, 1, backend="triton",
+                      params=params)
+    params[0] = 3.0  # a captured graph would see this change
+    ops.update_scale_(scale, tracker, torch.zeros(()), 2.0, 0.5, 1, backend="triton",
+                      params=params)
+    assert scale.item() == 6.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(growth_factor=1.0), "growth_factor must be finite and > 1"),
+    (dict(growth_factor=math.inf), "growth_factor must be finite and > 1"),
+    (dict(backoff_factor=0.0), r"backoff_factor must be in \(0, 1\)"),
+    (dict(backoff_factor=1.0), r"backoff_factor must be in \(0, 1\)"),
+    (dict(growth_interval=0), "growth_interval must be an int >= 1"),
+    (dict(hysteresis=0), "hysteresis must be an int >= 1"),
+    (dict(min_scale=-1.0), "min_scale must be finite and >= 0"),
+    (dict(min_scale=4.0, max_scale=2.0), "min_scale must be <= max_scale"),
+])
+def test_bad_policy_arguments(kwargs, match):
+    args = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=10)
+    args.update(kwargs)
+    scale, tracker = _state(1.0)
+    with pytest.raises(ValueError, match=match):
+        ops.update_scale_(scale, tracker, torch.zeros(()), args.pop("growth_factor"),
+                          args.pop("backoff_factor"), args.pop("growth_interval"), **args)
+
+
+def test_bad_state_tensors():
+    with pytest.raises(TypeError, match="growth_tracker must be a one-element torch.int32"):
+        ops.update_scale_(torch.ones(()), torch.zeros(()), torch.zeros(()), 2.0, 0.5, 1)
+    with pytest.raises(TypeError, match="growth_interval must be an int"):
+        ops.update_scale_(*_state(1.0), torch.zeros(()), 2.0, 0.5, 1.5)
