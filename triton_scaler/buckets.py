@@ -55,7 +55,7 @@ class GradBucket:
                    if self._on_detach == "reattach" else
                    "They take the per-tensor path, off the one-launch fast path; ")
                 + "call buckets.zero_() or optimizer.zero_grad(set_to_none=False) instead.",
-                stacklevel=4)
+                stacklevel=5)
         outside = set()
         with torch.no_grad():
             for p, view in detached:

@@ -91,15 +91,14 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
         per_device_and_dtype: dict = defaultdict(lambda: defaultdict(list))
-        launch = ops.non_finite_check_and_unscale_ if write else ops.non_finite_check_
         with torch.no_grad():
             covered = set()
             for bucket in buckets_of(optimizer):
                 if bucket.dtype == torch.float16 and not allow_fp16:
                     raise ValueError("Attempting to unscale FP16 gradients.")
                 covered.update(bucket.attach_grads())
-                launch([bucket.buffer], per_device_found_inf.get(bucket.device),
-                       per_device_inv_scale.get(bucket.device), backend=self._backend)
+                ops.unscale_group_([bucket.buffer], per_device_found_inf.get(bucket.device),
+                                   per_device_inv_scale.get(bucket.device), self._backend, write)
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     if param.grad is None or id(param) in covered:
@@ -115,8 +114,8 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
                     per_device_and_dtype[to_unscale.device][to_unscale.dtype].append(to_unscale)
             for device, per_dtype in per_device_and_dtype.items():
                 for grads in per_dtype.values():
-                    launch(grads, per_device_found_inf.get(device),
-                           per_device_inv_scale.get(device), backend=self._backend)
+                    ops.unscale_group_(grads, per_device_found_inf.get(device),
+                                       per_device_inv_scale.get(device), self._backend, write)
         return per_device_found_inf._per_device_tensors
 
     def _inv_scale(self) -> torch.Tensor:

@@ -51,21 +51,28 @@ def _group_grads(grads: Sequence[torch.Tensor], device: torch.device):
     return groups.values()
 
 
+def unscale_group_(grads: list[torch.Tensor], found_inf: torch.Tensor,
+                   inv_scale: torch.Tensor, backend: str, write: bool) -> None:
+    """Unscale (or only check) grads of one device and dtype, with no argument checks: the
+    caller (GradScaler, which groups grads as torch does) guarantees them."""
+    if resolve_backend(backend, found_inf.device) == "triton":
+        from triton_scaler.kernels import launch_unscale
+
+        launch_unscale(grads, found_inf, inv_scale, write=write)
+    elif write:
+        reference.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    else:
+        reference.check_(grads, found_inf, inv_scale)
+
+
 def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
     _check_flag("found_inf", found_inf, torch.float32)
     _check_flag("inv_scale", inv_scale, torch.float32)
     if inv_scale.device != found_inf.device:
         raise ValueError(f"inv_scale is on {inv_scale.device} but found_inf is on {found_inf.device}")
-    chosen = resolve_backend(backend, found_inf.device)
+    resolve_backend(backend, found_inf.device)
     for group in _group_grads(grads, found_inf.device):
-        if chosen == "triton":
-            from triton_scaler.kernels import launch_unscale
-
-            launch_unscale(group, found_inf, inv_scale, write=write)
-        elif write:
-            reference.non_finite_check_and_unscale_(group, found_inf, inv_scale)
-        else:
-            reference.check_(group, found_inf, inv_scale)
+        unscale_group_(group, found_inf, inv_scale, backend, write)
 
 
 def non_finite_check_and_unscale_(

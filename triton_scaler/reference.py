@@ -29,23 +29,19 @@ def non_finite_check_and_unscale_(
 ) -> None:
     """``grads[i] = dtype(fp32(grads[i]) * inv_scale)``; ``found_inf = 1.0`` if an input or a
     product is non-finite. Grads share found_inf's device; any float dtype mix."""
-    dense = [g for g in grads if g.numel() > 0]
-    if not dense:
-        return
-    torch._amp_foreach_non_finite_check_and_unscale_(dense, found_inf, inv_scale)
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
     if _may_overflow(inv_scale):
         # torch checks only the inputs; a scale below 1 (or 0) can overflow the products.
-        check_(dense, found_inf)
+        check_(grads, found_inf)
 
 
 def check_(grads: list[torch.Tensor], found_inf: torch.Tensor,
            inv_scale: torch.Tensor | None = None) -> None:
     """Set ``found_inf = 1.0`` if any element of ``grads`` (or ``inv_scale``) is non-finite.
     The grads' values are not changed."""
-    dense = [g for g in grads if g.numel() > 0]
-    if dense:
+    if grads:
         one = torch.ones((), dtype=torch.float32, device=found_inf.device)
-        torch._amp_foreach_non_finite_check_and_unscale_(dense, found_inf, one)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
     if inv_scale is not None:
         found_inf.copy_(torch.where(inv_scale.isfinite(), found_inf, 1.0))
 

@@ -1,0 +1,235 @@
+"""GradScaler's contract: errors, arguments, state_dict both ways, pickling, skip signal."""
+
+import copy
+import math
+import pickle
+
+import pytest
+import torch
+from _loops import train
+
+import triton_scaler
+from triton_scaler import GradScaler, MinScaleReachedError, ScalerArgumentError
+
+
+def _setup(scaler, dtype=torch.float32):
+    p = torch.nn.Parameter(torch.ones(4, dtype=dtype))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler.scale((p.float() * 2).sum()).backward()
+    return p, opt
+
+
+def _overflow_step(scaler, p, opt, overflow):
+    opt.zero_grad()
+    loss = (p * 2).sum() * (math.inf if overflow else 1.0)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize("first, second, match", [
+    ("unscale_", "unscale_", r"unscale_\(\) has already been called on this optimizer since"),
+    ("step", "unscale_", r"unscale_\(\) is being called after step\(\)"),
+    ("step", "step", r"step\(\) has already been called since the last update\(\)"),
+])
+def test_misuse_errors_match_torch(backend, first, second, match):
+    for scaler in (torch.amp.GradScaler("cpu"), GradScaler("cpu", backend=backend)):
+        p, opt = _setup(scaler)
+        getattr(scaler, first)(opt)
+        with pytest.raises(RuntimeError, match=match):
+            getattr(scaler, second)(opt)
+
+
+def test_closure_and_fp16_and_missing_scale(backend):
+    scaler = GradScaler("cpu", backend=backend)
+    p, opt = _setup(scaler)
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
+        scaler.step(opt, closure=lambda: 0)
+    p16, opt16 = _setup(scaler := GradScaler("cpu", backend=backend), torch.float16)
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients."):
+        scaler.unscale_(opt16)
+    with pytest.raises(AssertionError, match="Attempted update but _scale is None"):
+        GradScaler("cpu", backend=backend).update()
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update."):
+        s = GradScaler("cpu", backend=backend)
+        s.scale(torch.ones(()))
+        s.update()
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(growth_factor=1.0), AssertionError, "The growth factor must be > 1.0"),
+    (dict(growth_factor=0.5), ValueError, "The growth factor must be > 1.0"),
+    (dict(backoff_factor=1.5), AssertionError, "The backoff factor must be < 1.0"),
+    (dict(backoff_factor=0.0), ValueError, r"backoff_factor must be in \(0, 1\)"),
+    (dict(init_scale=0.0), ValueError, "init_scale must be a finite number > 0"),
+    (dict(init_scale=math.inf), ValueError, "init_scale must be a finite number > 0"),
+    (dict(init_scale=math.nan), ValueError, "init_scale must be a finite number > 0"),
+    (dict(growth_interval=0), ValueError, "growth_interval must be an int >= 1"),
+    (dict(growth_interval=2.5), TypeError, "growth_interval must be an int"),
+    (dict(hysteresis=0), ValueError, "hysteresis must be an int >= 1"),
+    (dict(min_scale=-1.0), ValueError, "min_scale must be finite and >= 0"),
+    (dict(min_scale=8.0, max_scale=4.0), ValueError, "min_scale must be <= max_scale"),
+    (dict(init_scale=1.0, min_scale=2.0), ValueError, r"init_scale must lie in \[min_scale"),
+    (dict(backend="cuda"), ValueError, "backend must be one of 'auto', 'reference', 'triton'"),
+    (dict(dynamic="no"), TypeError, "dynamic must be a bool"),
+])
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GradScaler("cpu", **kwargs)
+
+
+def test_torch_rejects_the_same_values_with_the_same_type():
+    for kwargs in (dict(growth_factor=1.0), dict(backoff_factor=1.0)):
+        with pytest.raises(AssertionError):
+            torch.amp.GradScaler("cpu", **kwargs)
+        with pytest.raises(ScalerArgumentError):
+            GradScaler("cpu", **kwargs)
+
+
+def test_setters_validate_and_reach_the_device(backend):
+    scaler = GradScaler("cpu", init_scale=1.0, growth_interval=1, backend=backend)
+    p, opt = _setup(scaler)
+    with pytest.raises(ValueError, match="growth_factor must be finite and > 1"):
+        scaler.set_growth_factor(0.5)
+    assert scaler.get_growth_factor() == 2.0
+    scaler.set_growth_factor(3.0)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 3.0
+
+
+def test_disabled_is_a_pass_through(backend):
+    scaler = GradScaler("cpu", enabled=False, backend=backend)
+    loss = torch.ones(())
+    assert scaler.scale(loss) is loss
+    assert scaler.state_dict() == {} and scaler.get_scale() == 1.0
+    p, opt = _setup(scaler)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.skipped_steps == 0
+
+
+def test_torch_state_dict_loads_into_ours_and_back(backend):
+    expected_traj, *_ = train(torch.amp.GradScaler("cpu", growth_interval=3), steps=20)
+    theirs = torch.amp.GradScaler("cpu", growth_interval=3)
+    first, *_ = train(theirs, steps=10)
+    ours = GradScaler("cpu", growth_interval=3, backend=backend)
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.get_scale() == theirs.get_scale()
+    again = torch.amp.GradScaler("cpu")
+    again.load_state_dict(ours.state_dict())
+    assert again.state_dict() == theirs.state_dict()
+    assert ours.state_dict()["hysteresis"] == 1 and ours.state_dict()["skipped_steps"] == 0
+
+
+def test_extension_state_survives_a_checkpoint(backend):
+    scaler = GradScaler("cpu", init_scale=2.0**8, hysteresis=3, min_scale=4.0, max_scale=2.0**9,
+                        consecutive_hysteresis=True, growth_interval=2, backend=backend)
+    p, opt = _setup(scaler)
+    scaler.step(opt)
+    scaler.update()
+    for overflow in (True, True, False, True):
+        _overflow_step(scaler, p, opt, overflow)
+    state = scaler.state_dict()
+    assert state["skipped_steps"] == 3 and state["_hysteresis_tracker"] == 2
+    restored = GradScaler("cpu", backend=backend)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == state
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert clone.state_dict() == state
+    assert copy.deepcopy(scaler).state_dict() == state
+    for s in (scaler, restored):
+        p2, opt2 = _setup(s)
+        s.step(opt2)
+        s.update()
+    assert restored.state_dict() == scaler.state_dict()
+
+
+def test_pickling_mid_iteration_is_refused_as_torch():
+    scaler = GradScaler("cpu")
+    p, opt = _setup(scaler)
+    scaler.unscale_(opt)
+    with pytest.raises(AssertionError, match="may only be pickled at the beginning"):
+        pickle.dumps(scaler)
+
+
+def test_skip_signal(backend):
+    scaler = GradScaler("cpu", backend=backend)
+    p, opt = _setup(scaler)
+    assert scaler.last_step_skipped.dtype == torch.bool
+    scaler.step(opt)
+    scaler.update()
+    assert not scaler.last_step_skipped.item()
+    before = p.detach().clone()
+    _overflow_step(scaler, p, opt, True)
+    assert scaler.last_step_skipped.item() and scaler.skipped_steps == 1
+    assert torch.equal(p.detach(), before)
+    _overflow_step(scaler, p, opt, False)
+    assert not scaler.last_step_skipped.item() and scaler.skipped_steps == 1
+
+
+def test_static_scale_skips_but_never_changes(backend):
+    scaler = GradScaler("cpu", init_scale=128.0, growth_interval=1, dynamic=False,
+                        backend=backend)
+    p, opt = _setup(scaler)
+    scaler.step(opt)
+    scaler.update()
+    for overflow in (True, False, False, True):
+        before = p.detach().clone()
+        _overflow_step(scaler, p, opt, overflow)
+        assert torch.equal(p.detach(), before) == overflow
+    assert scaler.get_scale() == 128.0 and scaler.skipped_steps == 2
+
+
+def test_raise_at_min_scale(backend):
+    scaler = GradScaler("cpu", init_scale=4.0, min_scale=2.0, raise_at_min_scale=True,
+                        backend=backend)
+    p, opt = _setup(scaler)
+    scaler.step(opt)
+    scaler.update()
+    _overflow_step(scaler, p, opt, True)
+    assert scaler.get_scale() == 2.0
+    with pytest.raises(MinScaleReachedError, match="already at minimum"):
+        _overflow_step(scaler, p, opt, True)
+
+
+def test_hysteresis_through_the_scaler(backend):
+    scaler = GradScaler("cpu", init_scale=64.0, hysteresis=2, backend=backend)
+    p, opt = _setup(scaler)
+    scaler.step(opt)
+    scaler.update()
+    scales = []
+    for overflow in (True, True, True, False, True):
+        _overflow_step(scaler, p, opt, overflow)
+        scales.append(scaler.get_scale())
+    assert scales == [64.0, 32.0, 16.0, 16.0, 8.0]  # refilled only on growth (Megatron)
+
+
+def test_sparse_grads(backend):
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    results = []
+    for scaler in (torch.amp.GradScaler("cpu"), GradScaler("cpu", backend=backend)):
+        emb.weight.data.fill_(1.0)
+        opt.zero_grad()
+        scaler.scale(emb(torch.tensor([1, 2, 2])).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        results.append(emb.weight.detach().clone())
+    assert torch.equal(*results)
+
+
+def test_lazy_init_for_accelerate():
+    scaler = GradScaler("cpu")
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    assert scaler._scale.item() == 2.0**16 and scaler._hysteresis_tracker_state is not None
+    assert scaler._get_scale_async() is scaler._scale
+
+
+def test_import_does_not_import_triton():
+    import subprocess
+    import sys
+
+    code = "import triton_scaler, sys; assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert triton_scaler.__version__

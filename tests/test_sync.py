@@ -1,0 +1,61 @@
+"""Host synchronisation counts: none in scale / unscale_ / update, at most one in step (plain
+optimizers, as torch), none at all on the fused-optimizer route."""
+
+import math
+
+import pytest
+import torch
+from _loops import make_model
+
+from triton_scaler import GradBuckets, GradScaler
+from triton_scaler.diagnostics import count_host_syncs, optimizer_step_uncounted
+
+
+def _iteration(scaler, model, opt, overflow=False):
+    loss = model(torch.randn(4, 12)).square().mean() * (math.inf if overflow else 1.0)
+    with count_host_syncs() as c:
+        scaled = scaler.scale(loss)
+    syncs = {"scale": c.count}
+    scaled.backward()
+    for name in ("unscale_", "step", "update"):
+        with count_host_syncs() as c, optimizer_step_uncounted(opt, c):
+            {"unscale_": lambda: scaler.unscale_(opt), "step": lambda: scaler.step(opt),
+             "update": scaler.update}[name]()
+        syncs[name] = c.count
+    opt.zero_grad(set_to_none=False)
+    return syncs
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("use_buckets", [False, True])
+def test_sync_counts(backend, fused, use_buckets):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    if use_buckets:
+        GradBuckets(opt)
+    scaler = GradScaler("cpu", backend=backend, hysteresis=2, min_scale=1.0)
+    for overflow in (False, True, False):
+        syncs = _iteration(scaler, model, opt, overflow)
+        assert syncs == {"scale": 0, "unscale_": 0, "step": 0 if fused else 1, "update": 0}
+
+
+def test_fused_route_without_unscale_has_no_sync(backend):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, fused=True)
+    scaler = GradScaler("cpu", backend=backend)
+    for overflow in (False, True):
+        scaler.scale(model(torch.randn(4, 12)).sum() * (math.inf if overflow else 1)).backward()
+        with count_host_syncs() as c, optimizer_step_uncounted(opt, c):
+            scaler.step(opt)
+            scaler.update()
+        assert c.count == 0
+        opt.zero_grad()
+
+
+def test_the_counter_can_fail():
+    with count_host_syncs() as c:
+        torch.ones(()).item()
+        bool(torch.ones(()))
+        with c.paused():
+            torch.ones(()).tolist()
+    assert c.count == 2

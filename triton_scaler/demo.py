@@ -1,0 +1,108 @@
+"""``python -m triton_scaler demo``: a mixed-precision training run with triton_scaler beside
+``torch.amp.GradScaler``, printing both scale trajectories, skipped steps, speed, host syncs
+per step, and whether the two runs differ (they must not, except in speed)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+
+from .diagnostics import count_host_syncs, optimizer_step_uncounted
+from .grad_scaler import GradScaler
+
+
+def _progress(iterable, total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is an optional extra ("demo")
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, leave=False)
+
+
+def _model(device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(),
+        torch.nn.Linear(256, 8)).to(device)
+
+
+def train_run(scaler: torch.amp.GradScaler, device: torch.device, steps: int,
+              overflow_at: set[int], fused: bool, desc: str) -> dict[str, Any]:
+    """Train a fresh copy of the demo model; returns trajectory, params and timings."""
+    model = _model(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    autocast_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(1)
+    target_w = torch.randn(64, 8, device=device, generator=gen)
+    scales, losses, syncs, elapsed = [], [], 0, 0.0
+    previous = scaler.get_scale()
+    for step in _progress(range(steps), steps, desc):
+        x = torch.randn(128, 64, device=device, generator=gen)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=autocast_dtype):
+            loss = torch.nn.functional.mse_loss(model(x).float(), x @ target_w)
+        if step in overflow_at:
+            loss = loss * float("inf")
+        with count_host_syncs() as counter, optimizer_step_uncounted(opt, counter):
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed += time.perf_counter() - start
+        syncs += counter.count
+        scales.append(scaler.get_scale())
+        losses.append(loss.detach())
+    skipped = 0  # with hysteresis 1, a step is skipped exactly when the scale backs off
+    for scale in scales:
+        skipped += scale < previous
+        previous = scale
+    return {"scales": scales, "params": [p.detach().clone() for p in model.parameters()],
+            "final_loss": float(losses[-1]), "skipped": skipped, "ms_per_step":
+            1e3 * elapsed / steps, "syncs_per_step": syncs / steps}
+
+
+def _trajectory(scales: list[float]) -> str:
+    changes = [f"step {i}: {s:g}" for i, s in enumerate(scales) if i == 0 or s != scales[i - 1]]
+    return ", ".join(changes[:12]) + (" ..." if len(changes) > 12 else "")
+
+
+def main(steps: int = 300) -> int:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fused = True
+    overflow_at = {20, 21, 150}
+    kwargs = dict(init_scale=2.0**24, growth_interval=50)
+    ours = GradScaler(device.type, **kwargs)
+    backend = "triton" if device.type == "cuda" else "reference"
+    print(f"triton_scaler demo: {steps} steps of mixed-precision training on {device} "
+          f"(AdamW fused={fused}, clip_grad_norm_, overflows injected at {sorted(overflow_at)})")
+    torch_run = train_run(torch.amp.GradScaler(device.type, **kwargs), device, steps,
+                          overflow_at, fused, "torch.amp.GradScaler")
+    our_run = train_run(copy.deepcopy(ours), device, steps, overflow_at, fused,
+                        f"triton_scaler ({backend})")
+    rows = [("final loss", "final_loss", "{:.6f}"), ("final scale", None, "{:g}"),
+            ("skipped steps", "skipped", "{}"), ("step time (ms)", "ms_per_step", "{:.3f}"),
+            ("host syncs / step", "syncs_per_step", "{:.2f}")]
+    print(f"\n{'':<20}{'torch.amp.GradScaler':>24}{'triton_scaler':>24}")
+    for label, key, fmt in rows:
+        a = torch_run["scales"][-1] if key is None else torch_run[key]
+        b = our_run["scales"][-1] if key is None else our_run[key]
+        print(f"{label:<20}{fmt.format(a):>24}{fmt.format(b):>24}")
+    print(f"\nscale trajectory (torch):         {_trajectory(torch_run['scales'])}")
+    print(f"scale trajectory (triton_scaler): {_trajectory(our_run['scales'])}")
+    differences = []
+    if torch_run["scales"] != our_run["scales"]:
+        differences.append("scale trajectory")
+    if not all(torch.equal(a, b) for a, b in zip(torch_run["params"], our_run["params"])):
+        differences.append("parameters")
+    if torch_run["final_loss"] != our_run["final_loss"]:
+        differences.append("final loss")
+    print("\ndifferences (other than speed): " + (", ".join(differences) or
+          "none: identical scale trajectory and bit-identical parameters"))
+    return 1 if differences else 0
