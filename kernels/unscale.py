@@ -74,9 +74,13 @@ def unscale_kernel(
     tl.store(found_inf_ptr, 1.0, mask=saw > 0)
 
 
+_INTERPRETED = type(unscale_kernel).__name__ == "InterpretedFunction"
+
+
 def is_interpreting() -> bool:
-    """True when triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return type(unscale_kernel).__name__ == "InterpretedFunction"
+    """True when triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1`` was
+    set when this module was imported, which is when triton decides)."""
+    return _INTERPRETED
 
 
 def _block() -> int:

@@ -1,0 +1,70 @@
+"""Compile every kernel variant for an H100 (sm_90) without a GPU and print facts about the
+generated PTX as JSON. Run in a subprocess by test_ptx.py: it needs TRITON_INTERPRET unset."""
+
+import json
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from triton_scaler.kernels.unscale import GPU_BLOCK, GPU_NUM_WARPS, unscale_kernel  # noqa: E402
+from triton_scaler.kernels.update import update_scale_kernel  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _instructions(ptx):
+    ops = set()
+    for line in ptx.splitlines():
+        line = re.sub(r"^\s*@!?%p\d+\s+", "", line.strip())
+        if re.match(r"^[a-z]", line):
+            ops.add(line.split()[0].rstrip(";"))
+    return sorted(ops)
+
+
+def _compile(fn, signature, constexprs, attrs, num_warps):
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps,
+                                                          "enable_fp_fusion": False})
+    return _instructions(kernel.asm["ptx"])
+
+
+def main():
+    facts = {}
+    names = list(unscale_kernel.arg_names)
+    for dtype in ("fp32", "fp16", "bf16"):
+        for use_table in (False, True):
+            for write in (True, False):
+                signature = {"grad_ptr": f"*{dtype}", "table_ptr": "*i64", "n_elements": "i64",
+                             "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32",
+                             "BLOCK": "constexpr", "USE_TABLE": "constexpr",
+                             "WRITE": "constexpr", "BF16_BITS": "constexpr",
+                             "ALIGN": "constexpr"}
+                elems_16b = 16 // {"fp32": 4, "fp16": 2, "bf16": 2}[dtype]
+                constexprs = {"BLOCK": GPU_BLOCK, "USE_TABLE": use_table, "WRITE": write,
+                              "BF16_BITS": False, "ALIGN": elems_16b if use_table else 1}
+                # what triton's launcher specialises for 16-byte aligned pointers / sizes
+                attrs = {(names.index("grad_ptr"),): [["tt.divisibility", 16]],
+                         (names.index("n_elements"),): [["tt.divisibility", 16]]}
+                key = f"unscale/{dtype}/{'table' if use_table else 'flat'}/" \
+                      f"{'write' if write else 'check'}"
+                facts[key] = _compile(unscale_kernel, signature, constexprs, attrs, GPU_NUM_WARPS)
+    for hysteresis in (False, True):
+        signature = {"scale_ptr": "*fp32", "growth_tracker_ptr": "*i32",
+                     "found_inf_ptr": "*fp32", "hysteresis_tracker_ptr": "*i32",
+                     "params_ptr": "*fp64", "HAS_HYSTERESIS": "constexpr",
+                     "CONSECUTIVE_HYSTERESIS": "constexpr"}
+        facts[f"update/hysteresis={hysteresis}"] = _compile(
+            update_scale_kernel, signature,
+            {"HAS_HYSTERESIS": hysteresis, "CONSECUTIVE_HYSTERESIS": False}, {}, 1)
+    json.dump(facts, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

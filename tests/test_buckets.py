@@ -1,0 +1,180 @@
+"""GradBuckets: one contiguous buffer per (device, dtype), one launch per bucket, exact."""
+
+import copy
+import math
+
+import pytest
+import torch
+from _loops import make_model, train
+from _util import assert_all_same
+
+from triton_scaler import GradBuckets, GradScaler
+
+
+def _zero_buckets(opt):
+    for bucket in opt._triton_scaler_buckets:
+        bucket.buffer.zero_()
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd_momentum", "adamw", "adamw_fused"])
+@pytest.mark.parametrize("clip", [False, True])
+def test_bucketed_training_matches_torch_without_buckets(backend, optimizer_name, clip):
+    kwargs = dict(init_scale=2.0**10, growth_interval=3)
+    expected = train(torch.amp.GradScaler("cpu", **kwargs), optimizer_name, clip=clip)
+    actual = train(GradScaler("cpu", **kwargs, backend=backend), optimizer_name, clip=clip,
+                   buckets=GradBuckets, zero_grad=lambda o: o.zero_grad(set_to_none=False))
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])
+
+
+def test_gradient_accumulation_into_buckets(backend):
+    kwargs = dict(init_scale=2.0**10, growth_interval=3)
+    expected = train(torch.amp.GradScaler("cpu", **kwargs), "adamw", accumulate=3)
+    actual = train(GradScaler("cpu", **kwargs, backend=backend), "adamw", accumulate=3,
+                   buckets=GradBuckets, zero_grad=_zero_buckets)
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])
+
+
+def test_set_to_none_is_reattached_exactly_with_one_warning(backend):
+    kwargs = dict(init_scale=2.0**10, growth_interval=3)
+    expected = train(torch.amp.GradScaler("cpu", **kwargs), "sgd_momentum")
+    with pytest.warns(UserWarning, match="no longer views into their GradBucket") as record:
+        actual = train(GradScaler("cpu", **kwargs, backend=backend), "sgd_momentum",
+                       buckets=GradBuckets)  # default zero_grad(): set_to_none=True
+    assert len([w for w in record if "GradBucket" in str(w.message)]) == 1
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])
+    assert all(p.grad is None for p in actual[2][0].param_groups[0]["params"])  # as zero_grad
+
+
+def test_set_to_none_warn_mode_takes_the_per_tensor_path(backend):
+    kwargs = dict(init_scale=2.0**10, growth_interval=3)
+    expected = train(torch.amp.GradScaler("cpu", **kwargs), "adamw")
+    with pytest.warns(UserWarning, match="take the per-tensor path"):
+        actual = train(GradScaler("cpu", **kwargs, backend=backend), "adamw",
+                       buckets=lambda o: GradBuckets(o, on_detach="warn"))
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])
+
+
+def test_layout_one_storage_aligned_views():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    buckets = GradBuckets(opt)
+    assert len(buckets) == 1
+    (bucket,) = buckets
+    storage = bucket.buffer.untyped_storage().data_ptr()
+    for p in model.parameters():
+        assert p.grad.untyped_storage().data_ptr() == storage
+        assert p.grad.data_ptr() % 16 == 0 and p.grad.shape == p.shape
+    model(torch.randn(2, 12)).sum().backward()
+    assert all(p.grad.untyped_storage().data_ptr() == storage for p in model.parameters())
+    buckets.zero_()
+    assert not bucket.buffer.any()
+
+
+def _count_launches(monkeypatch):
+    from triton_scaler.kernels import unscale
+
+    launches = []
+    kernel = unscale.unscale_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(unscale, "unscale_kernel", Counting())
+    return launches
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_one_launch_per_bucket(monkeypatch, fused):
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(20)])  # 40 params
+    opt = torch.optim.AdamW(model.parameters(), fused=fused)
+    scaler = GradScaler("cpu", backend="triton")
+    scaler.scale(model(torch.randn(2, 16)).sum()).backward()
+    plain_launches = _count_launches(monkeypatch)
+    scaler.step(opt)  # unscale_ or, for the fused optimizer, the read-only check
+    assert len(plain_launches) == 1  # chunk-table path: one launch per (device, dtype)
+    scaler.update()
+    monkeypatch.undo()
+    GradBuckets(opt)
+    scaler.scale(model(torch.randn(2, 16)).sum()).backward()
+    bucket_launches = _count_launches(monkeypatch)
+    scaler.step(opt)
+    assert len(bucket_launches) == 1
+
+
+def test_bucket_overflow_is_detected_and_skips(backend):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    buckets = GradBuckets(opt)
+    scaler = GradScaler("cpu", backend=backend)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(torch.randn(2, 12)).sum() * math.inf).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped.item()
+    assert_all_same([p.detach() for p in model.parameters()], before)
+    buckets.zero_()
+
+
+def test_mixed_dtypes_frozen_shared_and_rejected_params():
+    a = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16))
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    opt = torch.optim.SGD([a, b, frozen], lr=0.1)
+    buckets = GradBuckets(opt)
+    assert len(buckets) == 2 and frozen.grad is None
+    assert sorted(str(bk.dtype) for bk in buckets) == ["torch.bfloat16", "torch.float32"]
+    shared = torch.nn.Parameter(torch.ones(4))
+    assert len(GradBuckets([shared, shared]).buckets[0].params) == 1  # listed twice: once
+    with pytest.raises(ValueError, match="already belongs to other GradBuckets"):
+        GradBuckets([a])
+    with pytest.raises(TypeError, match="dtype torch.float64"):
+        GradBuckets([torch.nn.Parameter(torch.ones(2, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="on_detach must be 'reattach' or 'warn'"):
+        GradBuckets([torch.nn.Parameter(torch.ones(1))], on_detach="ignore")
+
+
+def test_params_added_later_take_the_per_tensor_path(backend):
+    a = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([a], lr=0.1)
+    GradBuckets(opt)
+    late = torch.nn.Parameter(torch.ones(4))
+    opt.add_param_group({"params": [late]})
+    scaler = GradScaler("cpu", init_scale=4.0, backend=backend)
+    scaler.scale((a.sum() + late.sum() * math.inf)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped.item()  # the late param's inf was seen
+
+
+def test_checkpoint_round_trip_with_buckets(backend):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    buckets = GradBuckets(opt)
+    scaler = GradScaler("cpu", backend=backend)
+    for _ in range(2):
+        scaler.scale(model(torch.randn(2, 12)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        buckets.zero_()
+    state = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
+                           "scaler": scaler.state_dict()})
+    model2 = make_model(seed=5)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    buckets2 = GradBuckets(opt2)
+    model2.load_state_dict(state["model"])
+    opt2.load_state_dict(state["opt"])
+    scaler2 = GradScaler("cpu", backend=backend)
+    scaler2.load_state_dict(state["scaler"])
+    x = torch.randn(2, 12)
+    for m, o, s, b in ((model, opt, scaler, buckets), (model2, opt2, scaler2, buckets2)):
+        s.scale(m(x).sum()).backward()
+        s.step(o)
+        s.update()
+    assert_all_same([p.detach() for p in model2.parameters()],
+                    [p.detach() for p in model.parameters()])

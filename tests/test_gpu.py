@@ -1,0 +1,170 @@
+"""GPU tests: the same exact oracles on CUDA tensors, sync-free routes checked with CUDA's
+sync debug mode, and CUDA-graph capture. Skipped without CUDA; run all with tests/run_gpu.sh."""
+
+import math
+
+import pytest
+import torch
+from _util import assert_all_same, assert_same
+
+from triton_scaler import GradBuckets, GradScaler, ops
+
+pytestmark = pytest.mark.gpu
+SIZES = [0, 1, 7, 4095, 4097, 1_000_003]
+
+
+def _grads(sizes, dtype, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [(torch.randn(n, device=device, generator=gen) * 3000).to(dtype) for n in sizes]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("special", [math.inf, -math.inf, math.nan, None])
+@pytest.mark.parametrize("n_tensors", [1, 3, 300])
+def test_unscale_matches_torch_cuda(cuda, dtype, special, n_tensors):
+    sizes = (SIZES * (n_tensors // len(SIZES) + 1))[:n_tensors]
+    grads = _grads(sizes, dtype, cuda)
+    if special is not None:
+        grads[-1][-1] = special
+        grads[0][0 if grads[0].numel() else 0:1] = special
+    expected = [g.clone() for g in grads]
+    found_expected = torch.zeros((), device=cuda)
+    inv = torch.tensor(1 / 3.0, device=cuda)
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, found_expected, inv)
+    found = torch.zeros((), device=cuda)
+    ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")
+    assert_all_same(grads, expected)
+    assert_same(found, found_expected)
+
+
+def test_bf16_matches_the_cpu_oracle(cuda):
+    """torch's CUDA op has no bf16; its CPU op is the oracle."""
+    grads = _grads(SIZES, torch.bfloat16, cuda)
+    grads[-1][-1] = math.nan
+    expected = [g.cpu() for g in grads]
+    found_expected = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, found_expected,
+                                                     torch.tensor(1 / 3.0))
+    found = torch.zeros((), device=cuda)
+    ops.non_finite_check_and_unscale_(grads, found, torch.tensor(1 / 3.0, device=cuda))
+    assert_all_same([g.cpu() for g in grads], expected)
+    assert found.item() == 1.0 == found_expected.item()
+
+
+def test_non_contiguous_and_check_only(cuda):
+    base = _grads([640 * 33], torch.float32, cuda)[0].view(640, 33)
+    grads = [base.t(), _grads([999], torch.float16, cuda)[0]]
+    before = [g.clone() for g in grads]
+    found = torch.zeros((), device=cuda)
+    ops.non_finite_check_(grads, found, torch.tensor(0.5, device=cuda))
+    assert_all_same(grads, before)
+    assert found.item() == 0.0
+    expected = [g.clone() for g in grads]
+    for g in expected:
+        torch._amp_foreach_non_finite_check_and_unscale_([g], torch.zeros((), device=cuda),
+                                                         torch.tensor(0.5, device=cuda))
+    ops.non_finite_check_and_unscale_(grads, found, torch.tensor(0.5, device=cuda))
+    assert_all_same(grads, expected)
+
+
+@pytest.mark.parametrize("growth, backoff, interval", [(2.0, 0.5, 3), (1.7, 0.37, 2)])
+def test_update_matches_torch_cuda(cuda, growth, backoff, interval):
+    gen = torch.Generator().manual_seed(0)
+    ours = [torch.tensor(1000.0, device=cuda), torch.zeros((), dtype=torch.int32, device=cuda)]
+    theirs = [t.clone() for t in ours]
+    for _ in range(300):
+        found = torch.tensor(float(torch.rand((), generator=gen) < 0.2), device=cuda)
+        ops.update_scale_(*ours, found, growth, backoff, interval, backend="triton")
+        torch._amp_update_scale_(*theirs, found, growth, backoff, interval)
+        assert_same(ours[0], theirs[0])
+        assert_same(ours[1], theirs[1])
+
+
+def _cuda_train(scaler, device, fused, steps=30, overflow_at=(3, 4, 17)):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
+                                torch.nn.Linear(128, 8)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    gen = torch.Generator(device=device).manual_seed(1)
+    trajectory = []
+    for step in range(steps):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(torch.randn(32, 64, device=device, generator=gen)).float().square().mean()
+        scaler.scale(loss * (math.inf if step in overflow_at else 1.0)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        trajectory.append((scaler.get_scale(), scaler._get_growth_tracker()))
+    return trajectory, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_training_parity_cuda(cuda, fused):
+    kwargs = dict(init_scale=2.0**16, growth_interval=5)
+    expected = _cuda_train(torch.amp.GradScaler("cuda", **kwargs), cuda, fused)
+    actual = _cuda_train(GradScaler("cuda", **kwargs, backend="triton"), cuda, fused)
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])
+
+
+def test_fused_route_never_synchronises(cuda):
+    model = torch.nn.Linear(64, 64).to(cuda)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    GradBuckets(opt)
+    scaler = GradScaler("cuda")
+    x = torch.randn(8, 64, device=cuda)
+    for _ in range(3):  # first iterations allocate and compile
+        scaler.scale(model(x).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        scaler.scale(model(x).sum()).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cuda_graph_capture_and_replay(cuda):
+    """scale -> backward -> step -> update captured once, replayed with overflows injected."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32).to(cuda)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+    buckets = GradBuckets(opt)
+    scaler = GradScaler("cuda", init_scale=2.0**10, growth_interval=2, backend="triton")
+    x = torch.randn(4, 32, device=cuda)
+    multiplier = torch.ones((), device=cuda)
+
+    def iteration():
+        buckets.zero_()
+        scaler.scale(model(x).square().mean() * multiplier).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            iteration()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        iteration()
+    # warm-up: 1024 -> 2048 (tracker 1); the replays continue from there
+    scales = []
+    for overflow in (False, False, True, False, False):
+        multiplier.fill_(math.inf if overflow else 1.0)
+        graph.replay()
+        scales.append(scaler.get_scale())
+    assert scales == [4096.0, 4096.0, 2048.0, 2048.0, 4096.0]
+    assert not scaler.last_step_skipped.item() and scaler.skipped_steps == 1
+    scaler.set_growth_factor(4.0)  # read from device memory by the captured update kernel
+    multiplier.fill_(1.0)
+    graph.replay()
+    graph.replay()
+    assert scaler.get_scale() == 4096.0 * 4.0
