@@ -12,7 +12,6 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-
 from triton_scaler.kernels.unscale import GPU_BLOCK, GPU_NUM_WARPS, unscale_kernel  # noqa: E402
 from triton_scaler.kernels.update import update_scale_kernel  # noqa: E402
 

@@ -146,7 +146,7 @@ def test_params_added_later_take_the_per_tensor_path(backend):
     late = torch.nn.Parameter(torch.ones(4))
     opt.add_param_group({"params": [late]})
     scaler = GradScaler("cpu", init_scale=4.0, backend=backend)
-    scaler.scale((a.sum() + late.sum() * math.inf)).backward()
+    scaler.scale(a.sum() + late.sum() * math.inf).backward()
     scaler.step(opt)
     scaler.update()
     assert scaler.last_step_skipped.item()  # the late param's inf was seen
@@ -166,13 +166,13 @@ def test_checkpoint_round_trip_with_buckets(backend):
                            "scaler": scaler.state_dict()})
     model2 = make_model(seed=5)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
-    buckets2 = GradBuckets(opt2)
+    GradBuckets(opt2)
     model2.load_state_dict(state["model"])
     opt2.load_state_dict(state["opt"])
     scaler2 = GradScaler("cpu", backend=backend)
     scaler2.load_state_dict(state["scaler"])
     x = torch.randn(2, 12)
-    for m, o, s, b in ((model, opt, scaler, buckets), (model2, opt2, scaler2, buckets2)):
+    for m, o, s in ((model, opt, scaler), (model2, opt2, scaler2)):
         s.scale(m(x).sum()).backward()
         s.step(o)
         s.update()
