@@ -1,0 +1,52 @@
+"""Worker of test_distributed.py: one rank of a 2-process gloo group on loopback."""
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def run(rank, world_size, port, optimizer_name, backend, overflow_steps, out_dir):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=__import__("datetime").timedelta(seconds=60))
+    try:
+        from triton_scaler import GradScaler
+
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 3)
+        if optimizer_name == "adamw_fused":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=3, backend=backend,
+                            process_group=dist.group.WORLD)
+        gen = torch.Generator().manual_seed(rank + 1)  # each rank its own shard of data
+        skipped, scales = [], []
+        for step in range(12):
+            before = [p.detach().clone() for p in model.parameters()]
+            state_before = {k: v.clone() if torch.is_tensor(v) else v
+                            for s in opt.state.values() for k, v in s.items()}
+            loss = model(torch.randn(4, 6, generator=gen)).square().mean()
+            if rank == 1 and step in overflow_steps:
+                loss = loss * math.inf
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+            if scaler.last_step_skipped.item():
+                skipped.append(step)
+                assert unchanged, "a skipped step changed the parameters"
+                state_after = {k: v for s in opt.state.values() for k, v in s.items()}
+                for k, v in state_before.items():
+                    assert torch.equal(torch.as_tensor(v), torch.as_tensor(state_after[k])), k
+            else:
+                assert not unchanged or step == 0
+            scales.append(scaler.get_scale())
+        torch.save({"skipped": skipped, "scales": scales},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

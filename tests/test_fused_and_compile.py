@@ -1,0 +1,133 @@
+"""Fused-optimizer route details, torch.compile, and LR-scheduler skipping."""
+
+import math
+
+import pytest
+import torch
+from _loops import make_model
+
+from triton_scaler import GradScaler
+from triton_scaler.diagnostics import count_host_syncs, optimizer_step_uncounted
+from triton_scaler.schedulers import SkipAwareScheduler
+
+
+class RecordingFusedSGD(torch.optim.SGD):
+    """An optimizer that takes the fused route and records what the scaler hands it."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.1)
+        self.seen = []
+
+    def step(self, closure=None):
+        self.seen.append((self.grad_scale.clone(), self.found_inf.clone()))
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_fused_route_gets_a_0d_found_inf_of_exactly_0_or_1(backend, overflow):
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = RecordingFusedSGD([p])
+    scaler = GradScaler("cpu", init_scale=8.0, backend=backend)
+    scaler.scale(p.sum() * (math.inf if overflow else 1.0)).backward()
+    scaler.step(opt)
+    scaler.update()
+    grad_scale, found_inf = opt.seen[0]
+    assert found_inf.shape == () and found_inf.dtype == torch.float32
+    assert found_inf.item() == (1.0 if overflow else 0.0)
+    assert grad_scale.item() == 8.0
+    assert torch.equal(p.grad, torch.full((3,), 8.0 * (math.inf if overflow else 1.0)))
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+
+
+@pytest.mark.parametrize("name", ["adamw_fused", "sgd_fused", "adam_fused"])
+def test_skipped_fused_step_leaves_params_and_state_bit_identical(backend, name):
+    model = make_model()
+    opt = {"adamw_fused": lambda: torch.optim.AdamW(model.parameters(), fused=True),
+           "adam_fused": lambda: torch.optim.Adam(model.parameters(), fused=True),
+           "sgd_fused": lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
+                                                fused=True)}[name]()
+    scaler = GradScaler("cpu", backend=backend)
+    scaler.scale(model(torch.randn(3, 12)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
+    scaler.scale(model(torch.randn(3, 12)).sum() * math.inf).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped.item()
+    for a, p in zip(params, model.parameters()):
+        assert torch.equal(a, p.detach())
+    for before, after in zip(state, opt.state.values()):
+        for k, v in before.items():  # includes "step"
+            assert torch.equal(v, after[k]), k
+
+
+def _compiled_run(scaler_factory, compile_backend, steps=6):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = scaler_factory()
+
+    def train_step(x, multiplier):
+        loss = model(x).square().mean() * multiplier
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss.detach()
+
+    step_fn = torch.compile(train_step, backend=compile_backend) if compile_backend else train_step
+    gen = torch.Generator().manual_seed(2)
+    scales = []
+    for i in range(steps):
+        step_fn(torch.randn(5, 8, generator=gen), torch.tensor(math.inf if i == 2 else 1.0))
+        scales.append(scaler.get_scale())
+    return scales, [p.detach().clone() for p in model.parameters()]
+
+
+def test_torch_compile_matches_eager():
+    """Graph breaks happen where dynamo skips torch.amp code (GradScaler.scale and the
+    helpers inherited from torch) and at the optimizer boundary; the results are unchanged."""
+    torch._dynamo.reset()
+    factory = lambda: GradScaler("cpu", init_scale=2.0**10, growth_interval=2)  # noqa: E731
+    eager = _compiled_run(factory, None)
+    compiled = _compiled_run(factory, "aot_eager")
+    assert compiled[0] == eager[0]
+    for a, b in zip(compiled[1], eager[1]):
+        assert torch.equal(a, b)
+
+
+def test_torch_compile_inductor_matches_torch_scaler():
+    torch._dynamo.reset()
+    kwargs = dict(init_scale=2.0**10, growth_interval=2)
+    ours = _compiled_run(lambda: GradScaler("cpu", **kwargs), "inductor", steps=4)
+    torch._dynamo.reset()
+    theirs = _compiled_run(lambda: torch.amp.GradScaler("cpu", **kwargs), "inductor", steps=4)
+    assert ours[0] == theirs[0]
+    for a, b in zip(ours[1], theirs[1]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_scheduler_steps_only_on_applied_steps_without_sync(backend):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0, fused=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    wrapped = SkipAwareScheduler(scheduler, GradScaler("cpu", backend=backend))
+    scaler = wrapped.scaler
+    overflow_at = {1, 2, 5}
+    for i in range(8):
+        scaler.scale(model(torch.randn(2, 12)).sum() * (math.inf if i in overflow_at else 1))\
+            .backward()
+        with count_host_syncs() as counter, optimizer_step_uncounted(opt, counter):
+            scaler.step(opt)
+            scaler.update()
+            wrapped.step()
+        assert counter.count == 0
+        opt.zero_grad()
+    wrapped.flush()
+    assert scheduler.last_epoch == 8 - len(overflow_at)
+    assert opt.param_groups[0]["lr"] == 0.5 ** (8 - len(overflow_at))
