@@ -88,34 +88,36 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
         return self._unscale_or_check(optimizer, inv_scale, found_inf, allow_fp16, write=True)
 
     def _unscale_or_check(self, optimizer, inv_scale, found_inf, allow_fp16, *, write):
+        """Group the optimizer's grads by (device, dtype), as torch does, and run one fused op
+        per group and one per gradient bucket. Returns found_inf per device."""
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
-        per_device_and_dtype: dict = defaultdict(lambda: defaultdict(list))
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        fp16 = torch.float16
         with torch.no_grad():
-            covered = set()
+            covered: frozenset[int] | set[int] = frozenset()
             for bucket in buckets_of(optimizer):
-                if bucket.dtype == torch.float16 and not allow_fp16:
+                if bucket.dtype == fp16 and not allow_fp16:
                     raise ValueError("Attempting to unscale FP16 gradients.")
-                covered.update(bucket.attach_grads())
+                covered = set(covered) | bucket.attach_grads()
                 ops.unscale_group_([bucket.buffer], per_device_found_inf.get(bucket.device),
                                    per_device_inv_scale.get(bucket.device), self._backend, write)
             for group in optimizer.param_groups:
                 for param in group["params"]:
-                    if param.grad is None or id(param) in covered:
+                    grad = param.grad
+                    if grad is None or (covered and id(param) in covered):
                         continue
-                    if (not allow_fp16) and param.grad.dtype == torch.float16:
+                    dtype = grad.dtype
+                    if dtype == fp16 and not allow_fp16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
-                    if param.grad.is_sparse:
-                        if param.grad.dtype is torch.float16:
-                            param.grad = param.grad.coalesce()
-                        to_unscale = param.grad._values()
-                    else:
-                        to_unscale = param.grad
-                    per_device_and_dtype[to_unscale.device][to_unscale.dtype].append(to_unscale)
-            for device, per_dtype in per_device_and_dtype.items():
-                for grads in per_dtype.values():
-                    ops.unscale_group_(grads, per_device_found_inf.get(device),
-                                       per_device_inv_scale.get(device), self._backend, write)
+                    if grad.is_sparse:
+                        if dtype is fp16:
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    groups[grad.device, dtype].append(grad)
+            for (device, _), grads in groups.items():
+                ops.unscale_group_(grads, per_device_found_inf.get(device),
+                                   per_device_inv_scale.get(device), self._backend, write)
         return per_device_found_inf._per_device_tensors
 
     def _inv_scale(self) -> torch.Tensor:

@@ -70,7 +70,16 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
     _check_flag("inv_scale", inv_scale, torch.float32)
     if inv_scale.device != found_inf.device:
         raise ValueError(f"inv_scale is on {inv_scale.device} but found_inf is on {found_inf.device}")
-    resolve_backend(backend, found_inf.device)
+    if resolve_backend(backend, found_inf.device) == "reference":
+        if isinstance(grads, torch.Tensor):
+            raise TypeError("grads must be a list or tuple of tensors, not a single tensor")
+        grads = list(grads)
+        try:  # torch's op checks the grads itself: no per-tensor Python work when they are fine
+            unscale_group_(grads, found_inf, inv_scale, "reference", write)
+        except (RuntimeError, TypeError, ValueError):
+            _group_grads(grads, found_inf.device)  # raises the clearer error, if it finds one
+            raise
+        return
     for group in _group_grads(grads, found_inf.device):
         unscale_group_(group, found_inf, inv_scale, backend, write)
 
@@ -128,10 +137,18 @@ def _check_number(name: str, value: object, *, integer: bool = False) -> float:
     return value  # type: ignore[return-value]
 
 
+_valid_policies: set[tuple] = set()
+
+
 def check_policy(growth_factor: float, backoff_factor: float, growth_interval: int,
                  hysteresis: int = 1, min_scale: float = 0.0,
                  max_scale: float = math.inf) -> None:
-    """Raise ``ValueError`` naming the argument and its accepted range for a bad setting."""
+    """Raise ``ValueError`` naming the argument and its accepted range for a bad setting
+    (``TypeError`` for a wrong type). Settings seen valid before are not checked again."""
+    args = (growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
+    key = tuple((type(a), a) for a in args)
+    if key in _valid_policies:
+        return
     for name, value, ok, accepted in (
         ("growth_factor", growth_factor, lambda v: 1.0 < v < math.inf, "finite and > 1"),
         ("backoff_factor", backoff_factor, lambda v: 0.0 < v < 1.0, "in (0, 1)"),
@@ -146,6 +163,8 @@ def check_policy(growth_factor: float, backoff_factor: float, growth_interval: i
     if min_scale > max_scale:
         raise ValueError(f"min_scale must be <= max_scale; got min_scale={min_scale!r}, "
                          f"max_scale={max_scale!r}")
+    if len(_valid_policies) < 256:
+        _valid_policies.add(key)
 
 
 def policy_params(growth_factor: float, backoff_factor: float, growth_interval: int,

@@ -1,0 +1,126 @@
+"""Turn a saved pytest-benchmark JSON into markdown tables (GB/s, ratio to torch) and PNG plots.
+
+    python benchmarks/plot.py benchmarks/results/cpu.json --label cpu
+
+writes ``benchmarks/results/<label>_tables.md`` and ``<label>_bucket.png``,
+``<label>_many.png``, ``<label>_ratio.png``. Needs matplotlib (the ``benchmark`` extra).
+GB/s = bytes read + written / median time. ratio = torch median / triton_scaler median
+(> 1: triton_scaler is faster), both measured in the same session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def load(path: Path) -> tuple[dict, dict]:
+    data = json.loads(path.read_text())
+    rows: dict = defaultdict(dict)
+    for bench in data["benchmarks"]:
+        info = bench["extra_info"]
+        key = (info["case"], info["dtype"], info["n_tensors"], info["numel"],
+               info.get("fused", ""))
+        rows[key][info["impl"]] = {"median": bench["stats"]["median"], "bytes": info["bytes"],
+                                   "host_syncs": info.get("host_syncs")}
+    return rows, data.get("machine_info", {})
+
+
+def _gbps(entry):
+    return entry["bytes"] / entry["median"] / 1e9 if entry and entry["bytes"] else None
+
+
+def tables(rows: dict) -> str:
+    lines = ["| case | dtype | tensors x elements | impl | median | GB/s | speed ratio vs torch |",
+             "|---|---|---|---|---|---|---|"]
+    for key in sorted(rows, key=lambda k: (k[0], k[1], k[2], k[3], str(k[4]))):
+        case, dtype, n, numel, fused = key
+        impls = rows[key]
+        torch_entry = impls.get("torch")
+        label = f"{case}{' fused' if fused is True else ''}"
+        for impl, entry in sorted(impls.items(), key=lambda kv: kv[0] != "torch"):
+            gbps = _gbps(entry)
+            ratio = (f"{torch_entry['median'] / entry['median']:.2f}" if torch_entry
+                     and impl != "torch" else ("unsupported by torch" if not torch_entry
+                                               else "1.00"))
+            syncs = "" if entry["host_syncs"] is None else f", {entry['host_syncs']} syncs"
+            median = entry["median"]
+            time = f"{median * 1e6:.1f} us" if median < 1e-3 else f"{median * 1e3:.3f} ms"
+            lines.append(f"| {label} | {dtype} | {n} x {numel} | {impl}{syncs} | {time} | "
+                         f"{'' if gbps is None else f'{gbps:.1f}'} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows: dict, out: Path, label: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for case, xkey, xlabel in (("bucket", 3, "elements in one bucket"),
+                               ("many", 2, "number of tensors")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for dtype in ("fp32", "fp16", "bf16"):
+            for impl, style in (("torch", "--"), ("ours", "-")):
+                pts = sorted((k[xkey], _gbps(v[impl])) for k, v in rows.items()
+                             if k[0] == case and k[1] == dtype and impl in v)
+                if case == "many":  # one line per tensor size
+                    pts = sorted((k[2], _gbps(v[impl])) for k, v in rows.items()
+                                 if k[0] == case and k[1] == dtype and impl in v)
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o",
+                            label=f"{'triton_scaler' if impl == 'ours' else 'torch'} {dtype}")
+        ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("GB/s (read + write)")
+        ax.set_title(f"unscale + inf check, {label}: {case}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        path = out / f"{label}_{case}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    names, ratios = [], []
+    for key in sorted(rows, key=lambda k: (k[0], k[1], k[2], k[3], str(k[4]))):
+        impls = rows[key]
+        if "torch" not in impls:
+            continue
+        for impl, entry in impls.items():
+            if impl == "torch":
+                continue
+            names.append(f"{key[0]}{' fused' if key[4] is True else ''} {key[1]} "
+                         f"{key[2]}x{key[3]} {impl}")
+            ratios.append(impls["torch"]["median"] / entry["median"])
+    ax.barh(range(len(ratios)), ratios)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks(range(len(ratios)), names, fontsize=6)
+    ax.set_xlabel("speed ratio: torch time / triton_scaler time (> 1 faster)")
+    ax.set_title(f"triton_scaler vs torch, {label}")
+    fig.tight_layout()
+    path = out / f"{label}_ratio.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("json", type=Path)
+    parser.add_argument("--label", required=True)
+    args = parser.parse_args()
+    rows, machine = load(args.json)
+    out = args.json.parent
+    (out / f"{args.label}_tables.md").write_text(tables(rows))
+    for path in plots(rows, out, args.label):
+        print(path)
+    print(out / f"{args.label}_tables.md")
+
+
+if __name__ == "__main__":
+    main()
