@@ -60,23 +60,29 @@ def plots(rows: dict, out: Path, label: str) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
-    for case, xkey, xlabel in (("bucket", 3, "elements in one bucket"),
-                               ("many", 2, "number of tensors")):
+    colors = {"fp32": "C0", "fp16": "C1", "bf16": "C2", 1024: "C0", 4096: "C1", 65536: "C2"}
+    series = {  # case -> (x label, [(legend suffix, colour key, row filter, x of a row)])
+        "bucket": ("elements in one bucket", [
+            (dtype, dtype, lambda k, d=dtype: k[0] == "bucket" and k[1] == d, lambda k: k[3])
+            for dtype in ("fp32", "fp16", "bf16")]),
+        "many": ("number of tensors (fp32)", [
+            (f"{numel}-element tensors", numel,
+             lambda k, n=numel: k[0] == "many" and k[1] == "fp32" and k[3] == n, lambda k: k[2])
+            for numel in sorted({k[3] for k in rows if k[0] == "many"})]),
+    }
+    for case, (xlabel, lines) in series.items():
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for dtype in ("fp32", "fp16", "bf16"):
+        for suffix, color, keep, xof in lines:
             for impl, style in (("torch", "--"), ("ours", "-")):
-                pts = sorted((k[xkey], _gbps(v[impl])) for k, v in rows.items()
-                             if k[0] == case and k[1] == dtype and impl in v)
-                if case == "many":  # one line per tensor size
-                    pts = sorted((k[2], _gbps(v[impl])) for k, v in rows.items()
-                                 if k[0] == case and k[1] == dtype and impl in v)
+                pts = sorted((xof(k), _gbps(v[impl])) for k, v in rows.items()
+                             if keep(k) and impl in v)
                 if pts:
-                    ax.plot(*zip(*pts), style, marker="o",
-                            label=f"{'triton_scaler' if impl == 'ours' else 'torch'} {dtype}")
+                    ax.plot(*zip(*pts), style, marker="o", color=colors.get(color),
+                            label=f"{'triton_scaler' if impl == 'ours' else 'torch'} {suffix}")
         ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("GB/s (read + write)")
-        ax.set_title(f"unscale + inf check, {label}: {case}")
+        ax.set_title(f"unscale + inf check, {label}: {case} (dashed: torch)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
         path = out / f"{label}_{case}.png"

@@ -9,8 +9,8 @@ from triton_scaler import ops
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 BUCKET_SIZES = ([2**20, 2**22, 2**24, 2**26, 2**28] if DEVICE.type == "cuda"
                 else [2**20, 2**22, 2**24, 2**26]) if FULL else [2**12, 2**16]
-MANY = ([(100, 1024), (1000, 4096), (2000, 4096), (10_000, 1024), (1000, 65536)] if FULL
-        else [(10, 1024), (100, 64)])
+MANY = ([(n, m) for n in (100, 1000, 10_000) for m in (1024, 16384)]
+        + [(2000, 4096), (1000, 65536)] if FULL else [(10, 1024), (100, 64)])
 
 
 def _torch_supports(dtype):
@@ -83,3 +83,13 @@ def test_ours_equals_torch_on_the_benchmarked_data():
     torch._amp_foreach_non_finite_check_and_unscale_(expected, found, inv)
     ops.non_finite_check_and_unscale_(grads, found, inv)
     assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+
+
+@pytest.mark.parametrize("numel", BUCKET_SIZES[-1:])
+def test_copy_bandwidth(run_benchmark, numel):
+    """The floor: a device-to-device copy of the largest bucket (read + write), to state what
+    fraction of the copy bandwidth the flat kernel reaches."""
+    src = _grads(1, numel, torch.float32)[0]
+    dst = torch.empty_like(src)
+    run_benchmark(lambda: dst.copy_(src), 2 * numel * 4, case="copy", numel=numel,
+                  n_tensors=1, dtype="fp32", impl="torch_copy")
