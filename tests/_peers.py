@@ -80,3 +80,52 @@ def overflow_bursts(steps, seed, p_start=0.08, max_len=4):
             i += n
         i += 1
     return flags
+
+
+class MindSporeDynamicLossScaler:
+    """mindspore/amp.py: DynamicLossScaler.adjust (branch-free, fp32 tensors)."""
+
+    def __init__(self, scale_value, scale_factor, scale_window):
+        self.scale_value = torch.tensor(float(scale_value))
+        self.scale_factor = scale_factor
+        self.scale_window = scale_window
+        self.counter = torch.tensor(0)
+
+    def adjust(self, grads_finite):
+        one = torch.ones((), dtype=self.scale_value.dtype)
+        scale_mul_factor = self.scale_value * self.scale_factor
+        scale_value = torch.where(
+            grads_finite,
+            torch.where(self.counter == (self.scale_window - 1),
+                        torch.where(torch.isfinite(scale_mul_factor), scale_mul_factor,
+                                    self.scale_value),
+                        self.scale_value),
+            torch.maximum(one, self.scale_value / self.scale_factor))
+        self.scale_value = scale_value
+        self.counter = ((self.counter + 1) % self.scale_window) * grads_finite
+        return True
+
+
+class ApexLossScaler:
+    """apex/amp/scaler.py: LossScaler.update_scale (dynamic)."""
+
+    def __init__(self, init_scale=2.0**16, scale_window=2000, min_loss_scale=None,
+                 max_loss_scale=2.0**24):
+        self._loss_scale = min(max_loss_scale, init_scale)
+        self._max_loss_scale = max_loss_scale
+        self._min_loss_scale = min_loss_scale
+        self._scale_seq_len = scale_window
+        self._unskipped = 0
+
+    def update_scale(self, has_overflow):
+        if has_overflow:
+            if self._min_loss_scale:
+                self._loss_scale = max(self._min_loss_scale, self._loss_scale / 2.0)
+            else:
+                self._loss_scale = self._loss_scale / 2.0
+            self._unskipped = 0
+        else:
+            self._unskipped += 1
+        if self._unskipped == self._scale_seq_len:
+            self._loss_scale = min(self._max_loss_scale, self._loss_scale * 2.0)
+            self._unskipped = 0

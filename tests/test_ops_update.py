@@ -120,3 +120,19 @@ def test_bad_state_tensors():
         ops.update_scale_(torch.ones(()), torch.zeros(()), torch.zeros(()), 2.0, 0.5, 1)
     with pytest.raises(TypeError, match="growth_interval must be an int"):
         ops.update_scale_(*_state(1.0), torch.zeros(()), 2.0, 0.5, 1.5)
+
+
+def test_against_the_real_megatron_core_when_installed(backend):
+    grad_scaler = pytest.importorskip("megatron.core.optimizer.grad_scaler")
+    for hysteresis, min_scale in ((1, 1.0), (2, 1.0), (3, 64.0)):
+        peer = grad_scaler.DynamicGradScaler(initial_scale=2.0**12, min_scale=min_scale,
+                                             growth_factor=2.0, backoff_factor=0.5,
+                                             growth_interval=4, hysteresis=hysteresis)
+        scale, tracker = _state(2.0**12)
+        hyst = torch.tensor(hysteresis, dtype=torch.int32)
+        for overflow in overflow_bursts(300, hysteresis, p_start=0.15):
+            peer.update(overflow)
+            ops.update_scale_(scale, tracker, torch.tensor(float(overflow)), 2.0, 0.5, 4,
+                              hysteresis_tracker=hyst, hysteresis=hysteresis,
+                              min_scale=min_scale, backend=backend)
+            assert scale.item() == peer.scale.item()

@@ -10,7 +10,10 @@ import torch
 from . import ops
 
 EXTENSION_KEYS = ("hysteresis", "_hysteresis_tracker", "consecutive_hysteresis", "min_scale",
-                  "max_scale", "raise_at_min_scale", "dynamic", "skipped_steps")
+                  "max_scale", "raise_at_min_scale", "dynamic", "skip_on_overflow",
+                  "skipped_steps")
+_SETTINGS = ("hysteresis", "consecutive_hysteresis", "min_scale", "max_scale",
+             "raise_at_min_scale", "dynamic", "skip_on_overflow")
 
 
 class ScalerStateMixin:
@@ -107,6 +110,7 @@ class ScalerStateMixin:
             "max_scale": self._max_scale,
             "raise_at_min_scale": self._raise_at_min_scale,
             "dynamic": self._dynamic,
+            "skip_on_overflow": self._skip_on_overflow,
             "skipped_steps": self.skipped_steps,
         })
         return state
@@ -117,8 +121,7 @@ class ScalerStateMixin:
         super().load_state_dict(state_dict)  # type: ignore[misc]
         if not self._enabled:
             return
-        for key in ("hysteresis", "consecutive_hysteresis", "min_scale", "max_scale",
-                    "raise_at_min_scale", "dynamic"):
+        for key in _SETTINGS:
             if key in state_dict:
                 setattr(self, "_" + key, state_dict[key])
         self._refresh_params()

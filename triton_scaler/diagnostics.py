@@ -58,6 +58,7 @@ def count_host_syncs() -> Iterator[SyncCounter]:
 
 def optimizer_step_uncounted(optimizer: torch.optim.Optimizer, counter: SyncCounter):
     """Context manager that excludes ``optimizer.step``'s own host reads from ``counter``."""
+    had_own_step = "step" in optimizer.__dict__
     step = optimizer.step
 
     def wrapped(*args, **kwargs):
@@ -70,5 +71,8 @@ def optimizer_step_uncounted(optimizer: torch.optim.Optimizer, counter: SyncCoun
         try:
             yield
         finally:
-            del optimizer.step
+            if had_own_step:
+                optimizer.step = step
+            else:
+                del optimizer.step
     return patch()

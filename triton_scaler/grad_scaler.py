@@ -40,6 +40,8 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
             overflow backs off at ``min_scale``. This reads one flag from the device in
             ``update`` (one host sync), so it is off by default.
         dynamic: ``False`` keeps the scale fixed (static loss scaling); overflows still skip.
+        skip_on_overflow: ``False`` takes every step even on overflow (MindSpore's
+            ``drop_overflow_update=False``); the scale still backs off when dynamic.
         backend: ``"auto"`` (Triton for CUDA tensors, reference otherwise), ``"reference"``
             or ``"triton"``.
         process_group: found_inf is all-reduced (MAX) over this group before every step
@@ -65,12 +67,13 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
         max_scale: float = math.inf,
         raise_at_min_scale: bool = False,
         dynamic: bool = True,
+        skip_on_overflow: bool = True,
         backend: Backend = "auto",
         process_group: Any = None,
     ) -> None:
         _check_arguments(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
                          min_scale, max_scale, consecutive_hysteresis, raise_at_min_scale,
-                         dynamic, backend)
+                         dynamic, skip_on_overflow, backend)
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval,
                          enabled)
         self._hysteresis = hysteresis
@@ -79,6 +82,7 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
         self._max_scale = float(max_scale)
         self._raise_at_min_scale = raise_at_min_scale
         self._dynamic = dynamic
+        self._skip_on_overflow = skip_on_overflow
         self._backend = backend
         self._process_group = process_group
         self._init_extension_state()
@@ -178,6 +182,8 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
         return agreed
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        if not self._skip_on_overflow:
+            return optimizer.step(*args, **kwargs)
         agreed = self._agree_found_inf(optimizer_state)
         host = optimizer_state.get("found_inf_host")
         if host is not None:
@@ -228,7 +234,8 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
         optimizer.grad_scale = (getattr(optimizer, "grad_scale", None)
                                 if state["stage"] is OptState.UNSCALED
                                 else scale * getattr(optimizer, "grad_scale", 1))
-        optimizer.found_inf = self._agree_found_inf(state)
+        found_inf = self._agree_found_inf(state)
+        optimizer.found_inf = found_inf if self._skip_on_overflow else torch.zeros_like(found_inf)
         try:
             retval = optimizer.step(*args, **kwargs)
         finally:
@@ -254,8 +261,9 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
         flags = [self._agree_found_inf(s) for s in states]
         found_inf = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
         skipped = found_inf != 0
-        self._last_step_skipped.copy_(skipped)
-        self._skipped_steps_t.add_(skipped)
+        if self._skip_on_overflow:
+            self._last_step_skipped.copy_(skipped)
+            self._skipped_steps_t.add_(skipped)
         if self._dynamic:
             if self._raise_at_min_scale:
                 self._raise_if_at_min_scale(skipped)
@@ -279,7 +287,7 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
 
 def _check_arguments(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
                      min_scale, max_scale, consecutive_hysteresis, raise_at_min_scale, dynamic,
-                     backend) -> None:
+                     skip_on_overflow, backend) -> None:
     check_backend(backend)
     if isinstance(growth_factor, (int, float)) and not isinstance(growth_factor, bool) \
             and growth_factor <= 1.0:
@@ -295,7 +303,8 @@ def _check_arguments(init_scale, growth_factor, backoff_factor, growth_interval,
         raise ValueError(f"init_scale must lie in [min_scale, max_scale] = [{min_scale}, "
                          f"{max_scale}]; got {init_scale!r}")
     for name, value in (("consecutive_hysteresis", consecutive_hysteresis),
-                        ("raise_at_min_scale", raise_at_min_scale), ("dynamic", dynamic)):
+                        ("raise_at_min_scale", raise_at_min_scale), ("dynamic", dynamic),
+                        ("skip_on_overflow", skip_on_overflow)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool; got {value!r}")
 

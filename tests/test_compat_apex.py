@@ -1,0 +1,81 @@
+"""triton_scaler.compat.apex against apex amp's LossScaler rule and scale_loss behaviour."""
+
+import math
+
+import pytest
+import torch
+from _peers import ApexLossScaler, overflow_bursts
+
+from triton_scaler.compat.apex import Amp
+
+
+def _iteration(amp, params, opts, overflow, loss_id=0):
+    loss = sum(p.sum() for p in params) * (math.inf if overflow else 1.0)
+    with amp.scale_loss(loss, opts, loss_id=loss_id) as scaled:
+        scaled.backward()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("min_loss_scale", [None, 2.0**10])
+@pytest.mark.parametrize("fused", [False, True])
+def test_trajectory_and_skips_match_apex(backend, min_loss_scale, fused):
+    amp = Amp(init_scale=2.0**16, min_loss_scale=min_loss_scale, max_loss_scale=2.0**17,
+              scale_window=3, backend=backend)
+    peer = ApexLossScaler(2.0**16, 3, min_loss_scale, 2.0**17)
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.Adam([p], lr=0.1, fused=fused)
+    for overflow in overflow_bursts(60, 3, p_start=0.15):
+        before = p.detach().clone()
+        _iteration(amp, [p], [opt], overflow)
+        peer.update_scale(overflow)
+        assert amp.loss_scale() == peer._loss_scale
+        assert torch.equal(p.detach(), before) == overflow  # skipped exactly on overflow
+    assert amp.state_dict()["loss_scaler0"]["unskipped"] == peer._unskipped
+
+
+def test_skip_is_once_and_respects_scheduler_wrappers(backend):
+    amp = Amp(backend=backend)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.5)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=100)
+    wrapped_step = opt.step  # the scheduler's instance-level wrapper
+    _iteration(amp, [p], [opt], overflow=True)
+    assert opt.step == wrapped_step and torch.equal(p.detach(), torch.ones(2))
+    _iteration(amp, [p], [opt], overflow=False)
+    assert not torch.equal(p.detach(), torch.ones(2))
+    scheduler.step()
+
+
+def test_multiple_losses_delay_unscale_and_state_dict(backend):
+    amp = Amp(num_losses=2, init_scale=64.0, backend=backend)
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)
+    _iteration(amp, [b], [opt_b], overflow=True, loss_id=1)
+    assert amp.loss_scale(0) == 64.0 and amp.loss_scale(1) == 32.0
+    with amp.scale_loss(a.sum(), opt_a, delay_unscale=True) as scaled:
+        scaled.backward()
+    assert torch.equal(a.grad, torch.full((2,), 64.0))  # still scaled: accumulating
+    with amp.scale_loss(a.sum(), opt_a) as scaled:
+        scaled.backward()
+    assert torch.equal(a.grad, torch.full((2,), 2.0))  # both micro-batches, unscaled
+    state = amp.state_dict()
+    assert state == {"loss_scaler0": {"loss_scale": 64.0, "unskipped": 1},
+                     "loss_scaler1": {"loss_scale": 32.0, "unskipped": 0}}
+    restored = Amp(num_losses=2, backend=backend)
+    restored.load_state_dict(state)
+    _iteration(restored, [b], [opt_b], overflow=False, loss_id=1)
+    assert restored.loss_scale(1) == 32.0 and restored.state_dict()["loss_scaler1"]["unskipped"] == 1
+    with pytest.raises(ValueError, match="loss_id must be in"):
+        with amp.scale_loss(a.sum(), opt_a, loss_id=2):
+            pass
+
+
+def test_static_loss_scale_never_skips(backend):
+    amp = Amp(loss_scale=128.0, backend=backend)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    _iteration(amp, [p], [opt], overflow=True)
+    assert not torch.isfinite(p).all()  # apex's static scaling applies the step
+    assert amp.loss_scale() == 128.0

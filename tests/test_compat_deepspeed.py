@@ -1,0 +1,85 @@
+"""triton_scaler.compat.deepspeed against DeepSpeed's DynamicLossScaler rule."""
+
+import math
+
+import pytest
+import torch
+from _peers import DeepSpeedDynamicLossScaler, overflow_bursts
+
+from triton_scaler.compat.deepspeed import CreateLossScaler, DynamicLossScaler, LossScaler
+
+
+def _drive(ours, peer, flags, as_tensor):
+    for overflow in flags:
+        peer.update_scale(overflow)
+        ours.update_scale(torch.tensor(overflow) if as_tensor else overflow)
+        assert ours.loss_scale == peer.cur_scale
+        assert ours.cur_hysteresis == peer.cur_hysteresis
+
+
+@pytest.mark.parametrize("delayed_shift", [1, 2, 3])
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize("window", [2, 3, 7])
+def test_trajectory_matches_deepspeed(backend, delayed_shift, consecutive, window):
+    """(DeepSpeed's scale is a Python float; ours is fp32 and never grows past its max, so the
+    sequences stay below 2**128.)"""
+    args = (2.0**8, window, 4.0, delayed_shift, consecutive)
+    ours = DynamicLossScaler(*args, raise_error_at_min_scale=False, device="cpu",
+                             backend=backend)
+    peer = DeepSpeedDynamicLossScaler(2.0**8, 2.0, window, 4.0, delayed_shift, consecutive,
+                                      False)
+    _drive(ours, peer, overflow_bursts(200, window * 10 + delayed_shift, p_start=0.1), window > 2)
+
+
+def test_raises_at_min_scale_like_deepspeed(backend):
+    ours = DynamicLossScaler(8.0, 100, 2.0, 1, False, device="cpu", backend=backend)
+    peer = DeepSpeedDynamicLossScaler(8.0, 2.0, 100, 2.0, 1, False, True)
+    _drive(ours, peer, [True, True], False)
+    assert ours.loss_scale == 2.0
+    with pytest.raises(Exception, match="already at minimum"):
+        peer.update_scale(True)
+    with pytest.raises(Exception, match="already at minimum"):
+        ours.update_scale(True)
+
+
+def test_has_overflow_backward_and_hooks(backend):
+    scaler = DynamicLossScaler(2.0**4, 10, 1.0, 1, False, device="cpu", backend=backend)
+    p = torch.nn.Parameter(torch.ones(3))
+    scaler.backward((p * 2).sum())
+    assert torch.equal(p.grad, torch.full((3,), 32.0))
+    flag = scaler.has_overflow([p])
+    assert flag.dtype == torch.bool and flag.shape == () and not flag.item()
+    p.grad[1] = math.nan
+    assert scaler.has_overflow([p]).item()
+    grads = scaler.scale_gradient(None, (torch.ones(2, dtype=torch.half), None), None)
+    assert grads[0].dtype == torch.half and grads[0].tolist() == [16.0, 16.0] and grads[1] is None
+    assert scaler.scale_loss(torch.tensor(2.0)).item() == 32.0
+
+
+def test_static_scaler_and_factory():
+    static = LossScaler(128.0, device="cpu")
+    static.update_scale(True)
+    assert static.loss_scale == 128.0 and not static.dynamic
+    args = dict(init_scale=2.0**16, scale_window=1000, delayed_shift=2,
+                consecutive_hysteresis=False, min_scale=1.0)
+    dynamic = CreateLossScaler(torch.half, 1.0, True, args, device="cpu")
+    assert isinstance(dynamic, DynamicLossScaler) and dynamic.loss_scale == 2.0**16
+    for dtype in (torch.bfloat16, torch.float32):
+        scaler = CreateLossScaler(dtype, 64.0, True, args, device="cpu")
+        assert type(scaler) is LossScaler and scaler.loss_scale == 1.0
+    assert CreateLossScaler(torch.half, 64.0, False, None, device="cpu").loss_scale == 64.0
+    with pytest.raises(ValueError, match="Dynamic loss scaling parameters must be defined"):
+        CreateLossScaler(torch.half, 1.0, True, None)
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        LossScaler(0.0)
+
+
+def test_against_the_real_deepspeed_when_installed(monkeypatch):
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)
+    for delayed_shift, consecutive in ((1, False), (2, False), (3, True)):
+        peer = loss_scaler.DynamicLossScaler(2.0**16, 4, 1.0, delayed_shift, consecutive,
+                                             raise_error_at_min_scale=False)
+        ours = DynamicLossScaler(2.0**16, 4, 1.0, delayed_shift, consecutive,
+                                 raise_error_at_min_scale=False, device="cpu")
+        _drive(ours, peer, overflow_bursts(150, delayed_shift), False)

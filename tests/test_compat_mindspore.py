@@ -1,0 +1,69 @@
+"""triton_scaler.compat.mindspore against MindSpore's documented rules."""
+
+import math
+
+import pytest
+import torch
+from _peers import MindSporeDynamicLossScaler, overflow_bursts
+
+from triton_scaler import GradScaler
+from triton_scaler.compat.mindspore import (
+    DynamicLossScaleManager,
+    DynamicLossScaler,
+    FixedLossScaleManager,
+    StaticLossScaler,
+    all_finite,
+)
+
+
+@pytest.mark.parametrize("factor, window, init", [(2, 3, 2.0**10), (2, 1, 4.0), (4, 5, 2.0**100)])
+def test_dynamic_adjust_matches_mindspore(backend, factor, window, init):
+    ours = DynamicLossScaler(init, factor, window, device="cpu", backend=backend)
+    peer = MindSporeDynamicLossScaler(init, factor, window)
+    for overflow in overflow_bursts(300, window, p_start=0.1):
+        finite = torch.tensor(not overflow)
+        assert ours.adjust(finite) is True and peer.adjust(finite)
+        assert ours.scale_value.item() == peer.scale_value.item()
+        assert ours.counter.item() == peer.counter.item()
+    assert ours.scale_value.item() >= 1.0
+
+
+def test_scale_unscale_and_all_finite(backend):
+    scaler = StaticLossScaler(1024.0, device="cpu", backend=backend)
+    x = torch.tensor([1.0, -3.0])
+    assert torch.equal(scaler.scale(x), x * 1024)
+    pair = (torch.tensor([2048.0], dtype=torch.half), torch.tensor([1024.0]))
+    out = scaler.unscale(pair)
+    assert isinstance(out, tuple) and out[0].dtype == torch.half
+    assert out[0].item() == 2.0 and out[1].item() == 1.0 and pair[1].item() == 1024.0
+    assert scaler.adjust(torch.tensor(False)) is False and scaler.scale_value.item() == 1024.0
+    assert all_finite(x, backend=backend).item()
+    assert not all_finite((x, torch.tensor([math.inf])), backend=backend).item()
+
+
+def test_managers_configure_grad_scalers():
+    fixed = FixedLossScaleManager(256.0, drop_overflow_update=False)
+    scaler = fixed.get_grad_scaler("cpu")
+    assert isinstance(scaler, GradScaler) and scaler.get_scale() == 256.0
+    state = scaler.state_dict()
+    assert state["dynamic"] is False and state["skip_on_overflow"] is False
+    dynamic = DynamicLossScaleManager(2.0**10, 2, 50).get_grad_scaler("cpu")
+    state = dynamic.state_dict()
+    assert (state["growth_interval"], state["backoff_factor"], state["min_scale"]) == \
+        (50, 0.5, 1.0)
+    assert DynamicLossScaleManager().get_grad_scaler().state_dict()["scale"] == 2.0**24
+    with pytest.raises(ValueError, match="loss_scale must be a finite number >= 1"):
+        FixedLossScaleManager(0.5)
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_drop_overflow_update(backend, drop):
+    scaler = FixedLossScaleManager(8.0, drop_overflow_update=drop).get_grad_scaler("cpu")
+    scaler._backend = backend
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler.scale(p.sum() * torch.tensor([1.0, math.inf]).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.isfinite(p).all().item() == drop  # taken anyway when not dropping
+    assert scaler.get_scale() == 8.0

@@ -1,0 +1,119 @@
+"""DeepSpeed's fp16 loss scalers (``deepspeed.runtime.fp16.loss_scaler``) on triton_scaler's ops.
+
+The scale, growth tracker and hysteresis tracker live on the device and are updated by
+:func:`triton_scaler.ops.update_scale_` (Megatron-style hysteresis, optionally consecutive);
+the adapter adds only DeepSpeed's growth timing (its first growth after an overflow comes on
+the ``scale_window + 1``-th clean step) and its raise at the minimum scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .. import ops
+from ._device import default_device, grads_of
+
+
+class LossScaler:
+    """Static loss scale (DeepSpeed ``LossScaler``): overflows are reported, never acted on."""
+
+    dynamic = False
+
+    def __init__(self, scale: float = 1.0, *, device: str | torch.device | None = None,
+                 backend: str = "auto") -> None:
+        if not 0.0 < float(scale) < float("inf"):
+            raise ValueError(f"scale must be a finite number > 0; got {scale!r}")
+        self._device = default_device(device)
+        self._backend = backend
+        self._scale = torch.full((), float(scale), dtype=torch.float32, device=self._device)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current scale as a Python float (synchronises)."""
+        return float(self._scale.item())
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scale
+
+    def scale_gradient(self, module, grad_in, grad_out):
+        """Backward hook form: multiply each incoming grad by the scale (on the device)."""
+        return tuple(None if g is None else g * self._scale.to(g.device) for g in grad_in)
+
+    def update_scale(self, overflow) -> None:
+        """Static: nothing to update."""
+
+    def has_overflow(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
+        """0-d bool tensor on the grads' device: True when any grad is non-finite (no sync)."""
+        return ~ops.all_finite(grads_of(params), backend=self._backend)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` on the device (no sync)."""
+        return loss * self._scale.to(loss.device)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        self.scale_loss(loss).backward(retain_graph=retain_graph)
+
+
+class DynamicLossScaler(LossScaler):
+    """DeepSpeed ``DynamicLossScaler``: halve on overflow (after ``delayed_shift`` overflows of
+    hysteresis), double after ``scale_window`` clean steps, never below ``min_scale``.
+
+    ``update_scale(overflow)`` takes a bool or a 0-d tensor (e.g. from :meth:`has_overflow`,
+    which avoids a host sync). ``raise_error_at_min_scale`` reads the state on the host (one
+    sync per update), as DeepSpeed does.
+    """
+
+    dynamic = True
+    scale_factor = 2.0
+
+    def __init__(self, init_scale: float = 2.0**32, scale_window: int = 1000,
+                 min_scale: float = 1.0, delayed_shift: int = 1,
+                 consecutive_hysteresis: bool = False, raise_error_at_min_scale: bool = True,
+                 dtype: torch.dtype = torch.half, *, device: str | torch.device | None = None,
+                 backend: str = "auto") -> None:
+        super().__init__(init_scale, device=device, backend=backend)
+        ops.check_policy(self.scale_factor, 1.0 / self.scale_factor, scale_window,
+                         delayed_shift, float(min_scale))
+        self.scale_window = scale_window
+        self.min_scale = float(min_scale)
+        self.delayed_shift = delayed_shift
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.raise_error_at_min_scale = raise_error_at_min_scale
+        self.dtype = dtype
+        # DeepSpeed grows on the (scale_window + 1)-th clean step after an overflow (and at
+        # the start): the growth tracker starts one below torch's.
+        self._growth_tracker = torch.full((), -1, dtype=torch.int32, device=self._device)
+        self._hysteresis = torch.full((), delayed_shift, dtype=torch.int32, device=self._device)
+
+    @property
+    def cur_hysteresis(self) -> int:
+        """DeepSpeed's counter, which stops at 1 (the device tracker counts on below)."""
+        return max(int(self._hysteresis.item()), 1)
+
+    def update_scale(self, overflow) -> None:
+        found = torch.as_tensor(overflow, device=self._device).to(torch.float32).reshape(())
+        if self.raise_error_at_min_scale:
+            backs_off = bool(found.item()) and (self.delayed_shift == 1
+                                                or int(self._hysteresis.item()) <= 1)
+            if backs_off and self.loss_scale == self.min_scale:
+                raise Exception("Current loss scale already at minimum - cannot decrease scale "
+                                "anymore. Exiting run.")
+        ops.update_scale_(self._scale, self._growth_tracker, found, self.scale_factor,
+                          1.0 / self.scale_factor, self.scale_window,
+                          hysteresis_tracker=self._hysteresis, hysteresis=self.delayed_shift,
+                          consecutive_hysteresis=self.consecutive_hysteresis,
+                          min_scale=self.min_scale, backend=self._backend)
+        self._growth_tracker.copy_(torch.where(found != 0, -1, self._growth_tracker))
+
+
+def CreateLossScaler(dtype: torch.dtype, static_loss_scale: float, dynamic_scaling: bool,
+                     dynamic_loss_args: dict | None, **kwargs) -> LossScaler:  # noqa: N802
+    """DeepSpeed's factory: dynamic scaling only for fp16; bf16 / fp32 get a static 1.0."""
+    if dtype == torch.half and dynamic_scaling:
+        if dynamic_loss_args is None:
+            raise ValueError("Dynamic loss scaling parameters must be defined.")
+        return DynamicLossScaler(dtype=dtype, **dynamic_loss_args, **kwargs)
+    return LossScaler(scale=static_loss_scale if dtype == torch.half else 1.0, **kwargs)

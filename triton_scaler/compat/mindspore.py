@@ -1,0 +1,129 @@
+"""MindSpore's loss scalers (``mindspore.amp``) and loss-scale managers on triton_scaler's ops.
+
+``DynamicLossScaler.adjust`` is MindSpore's branch-free rule, which is torch's rule with a floor
+of 1: ``counter = ((counter + 1) % window) * finite``; growth by ``scale_factor`` when the old
+counter is ``window - 1`` and the grown scale is finite; backoff ``max(scale / factor, 1)``.
+It runs as one :func:`triton_scaler.ops.update_scale_` call (backoff as a multiplication by
+``1 / scale_factor``: identical for power-of-two factors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .. import ops
+from ..grad_scaler import GradScaler
+from ._device import default_device
+
+TensorOrTuple = torch.Tensor | Sequence[torch.Tensor]
+
+
+def all_finite(inputs: TensorOrTuple, *, backend: str = "auto") -> torch.Tensor:
+    """0-d bool tensor: every element of ``inputs`` (a tensor or tensors) is finite. No sync."""
+    tensors = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    return ops.all_finite(tensors, backend=backend)
+
+
+class StaticLossScaler:
+    """A fixed loss scale: ``scale`` multiplies, ``unscale`` divides; ``adjust`` does nothing."""
+
+    def __init__(self, scale_value: float, *, device: str | torch.device | None = None,
+                 backend: str = "auto") -> None:
+        if not 0.0 < float(scale_value) < float("inf"):
+            raise ValueError(f"scale_value must be a finite number > 0; got {scale_value!r}")
+        self._backend = backend
+        self.scale_value = torch.full((), float(scale_value), dtype=torch.float32,
+                                      device=default_device(device))
+
+    def _map(self, inputs: TensorOrTuple, fn):
+        if isinstance(inputs, torch.Tensor):
+            return fn(inputs)
+        return tuple(fn(x) for x in inputs)
+
+    def scale(self, inputs: TensorOrTuple) -> TensorOrTuple:
+        """``inputs * scale_value`` (out of place)."""
+        return self._map(inputs, lambda x: x * self.scale_value.to(x.device))
+
+    def unscale(self, inputs: TensorOrTuple) -> TensorOrTuple:
+        """``inputs`` divided by ``scale_value`` (out of place): one fused unscale over all
+        inputs, ``dtype(fp32(x) * (1 / scale))``, on the device."""
+        outputs = self._map(inputs, lambda x: x.clone())
+        tensors = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        if tensors:
+            device = tensors[0].device
+            inv = self.scale_value.to(device).double().reciprocal().float()
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            ops.non_finite_check_and_unscale_(tensors, found, inv, backend=self._backend)
+        return outputs
+
+    def adjust(self, grads_finite: torch.Tensor) -> bool:
+        return False
+
+
+class DynamicLossScaler(StaticLossScaler):
+    """MindSpore ``DynamicLossScaler(scale_value, scale_factor, scale_window)``."""
+
+    def __init__(self, scale_value: float, scale_factor: int, scale_window: int, *,
+                 device: str | torch.device | None = None, backend: str = "auto") -> None:
+        super().__init__(scale_value, device=device, backend=backend)
+        ops.check_policy(float(scale_factor), 1.0 / scale_factor, scale_window, 1, 1.0)
+        self.scale_factor = scale_factor
+        self.scale_window = scale_window
+        self.counter = torch.zeros((), dtype=torch.int32, device=self.scale_value.device)
+
+    def adjust(self, grads_finite: torch.Tensor) -> bool:
+        """Update ``scale_value`` from ``grads_finite`` (bool tensor), on the device."""
+        found = (~torch.as_tensor(grads_finite, device=self.scale_value.device)
+                 .reshape(())).to(torch.float32)
+        ops.update_scale_(self.scale_value, self.counter, found, float(self.scale_factor),
+                          1.0 / self.scale_factor, self.scale_window, min_scale=1.0,
+                          backend=self._backend)
+        return True
+
+
+class FixedLossScaleManager:
+    """MindSpore ``FixedLossScaleManager``: a static scale; with ``drop_overflow_update=False``
+    the optimizer step is taken even on overflow (as MindSpore does)."""
+
+    def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True) -> None:
+        if not 1.0 <= float(loss_scale) < float("inf"):
+            raise ValueError(f"loss_scale must be a finite number >= 1; got {loss_scale!r}")
+        self._loss_scale = float(loss_scale)
+        self._drop_overflow_update = drop_overflow_update
+
+    def get_loss_scale(self) -> float:
+        return self._loss_scale
+
+    def get_drop_overflow_update(self) -> bool:
+        return self._drop_overflow_update
+
+    def get_grad_scaler(self, device: str | torch.device | None = None) -> GradScaler:
+        """A static :class:`triton_scaler.GradScaler` with this scale."""
+        return GradScaler(default_device(device).type, init_scale=self._loss_scale,
+                          dynamic=False, skip_on_overflow=self._drop_overflow_update)
+
+
+class DynamicLossScaleManager:
+    """MindSpore ``DynamicLossScaleManager(init_loss_scale, scale_factor, scale_window)``."""
+
+    def __init__(self, init_loss_scale: float = 2.0**24, scale_factor: int = 2,
+                 scale_window: int = 2000) -> None:
+        ops.check_policy(float(scale_factor), 1.0 / scale_factor, scale_window, 1, 1.0)
+        self._init_loss_scale = float(init_loss_scale)
+        self.scale_factor = scale_factor
+        self.scale_window = scale_window
+
+    def get_loss_scale(self) -> float:
+        return self._init_loss_scale
+
+    def get_drop_overflow_update(self) -> bool:
+        return True
+
+    def get_grad_scaler(self, device: str | torch.device | None = None) -> GradScaler:
+        """A :class:`triton_scaler.GradScaler` following MindSpore's dynamic rule."""
+        return GradScaler(default_device(device).type, init_scale=self._init_loss_scale,
+                          growth_factor=float(self.scale_factor),
+                          backoff_factor=1.0 / self.scale_factor,
+                          growth_interval=self.scale_window, min_scale=1.0)
