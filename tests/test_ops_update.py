@@ -124,10 +124,13 @@ def test_bad_state_tensors():
 
 def test_against_the_real_megatron_core_when_installed(backend):
     grad_scaler = pytest.importorskip("megatron.core.optimizer.grad_scaler")
+    real_tensor = torch.tensor
     for hysteresis, min_scale in ((1, 1.0), (2, 1.0), (3, 64.0)):
-        peer = grad_scaler.DynamicGradScaler(initial_scale=2.0**12, min_scale=min_scale,
-                                             growth_factor=2.0, backoff_factor=0.5,
-                                             growth_interval=4, hysteresis=hysteresis)
+        with pytest.MonkeyPatch.context() as patch:  # megatron-core hard-codes device="cuda"
+            patch.setattr(torch, "tensor", lambda *a, device=None, **k: real_tensor(*a, **k))
+            peer = grad_scaler.DynamicGradScaler(initial_scale=2.0**12, min_scale=min_scale,
+                                                 growth_factor=2.0, backoff_factor=0.5,
+                                                 growth_interval=4, hysteresis=hysteresis)
         scale, tracker = _state(2.0**12)
         hyst = torch.tensor(hysteresis, dtype=torch.int32)
         for overflow in overflow_bursts(300, hysteresis, p_start=0.15):
