@@ -44,11 +44,17 @@ def test_growth_refused_at_fp32_max_keeps_tracker_reset(backend):
 @pytest.mark.parametrize("min_scale", [0.0, 1.0, 64.0])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_hysteresis_matches_megatron(backend, hysteresis, min_scale, seed):
-    init = 2.0**12
-    peer = MegatronDynamicGradScaler(init, min_scale, 2.0, 0.5, 4, hysteresis)
-    scale, tracker = _state(init)
+    peer = MegatronDynamicGradScaler(2.0**12, min_scale, 2.0, 0.5, 4, hysteresis)
+    _follow_megatron(peer, hysteresis, min_scale, overflow_bursts(400, seed, p_start=0.15),
+                     backend)
+
+
+def _follow_megatron(peer, hysteresis, min_scale, flags, backend):
+    """Drive update_scale_ beside a Megatron DynamicGradScaler (initial scale 2**12, growth
+    interval 4) and compare the scale and both trackers after every update."""
+    scale, tracker = _state(2.0**12)
     hyst = torch.tensor(hysteresis, dtype=torch.int32)
-    for overflow in overflow_bursts(400, seed, p_start=0.15):
+    for overflow in flags:
         peer.update(overflow)
         ops.update_scale_(scale, tracker, torch.tensor(float(overflow)), 2.0, 0.5, 4,
                           hysteresis_tracker=hyst, hysteresis=hysteresis,
@@ -131,11 +137,5 @@ def test_against_the_real_megatron_core_when_installed(backend):
             peer = grad_scaler.DynamicGradScaler(initial_scale=2.0**12, min_scale=min_scale,
                                                  growth_factor=2.0, backoff_factor=0.5,
                                                  growth_interval=4, hysteresis=hysteresis)
-        scale, tracker = _state(2.0**12)
-        hyst = torch.tensor(hysteresis, dtype=torch.int32)
-        for overflow in overflow_bursts(300, hysteresis, p_start=0.15):
-            peer.update(overflow)
-            ops.update_scale_(scale, tracker, torch.tensor(float(overflow)), 2.0, 0.5, 4,
-                              hysteresis_tracker=hyst, hysteresis=hysteresis,
-                              min_scale=min_scale, backend=backend)
-            assert scale.item() == peer.scale.item()
+        _follow_megatron(peer, hysteresis, min_scale,
+                         overflow_bursts(300, hysteresis, p_start=0.15), backend)

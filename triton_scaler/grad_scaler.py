@@ -4,6 +4,7 @@ Megatron-core, DeepSpeed, apex and MindSpore scalers."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import warnings
@@ -17,6 +18,21 @@ from . import ops
 from ._backend import Backend, check_backend
 from ._state import ScalerStateMixin
 from .buckets import buckets_of
+
+
+def _eager_under_compile(method):
+    """Run ``method`` eagerly when code compiled by ``torch.compile`` calls it, as dynamo does
+    for ``torch.amp.GradScaler`` itself (it skips torch.amp): a graph break per call, and the
+    scaler's host-side bookkeeping never traced. No cost (and no dynamo import) in eager."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            from torch._dynamo import disable
+
+            return disable(method, recursive=True)(*args, **kwargs)
+        return method(*args, **kwargs)
+    return wrapper
 
 
 class MinScaleReachedError(RuntimeError):
@@ -127,6 +143,7 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
     def _inv_scale(self) -> torch.Tensor:
         return self._scale.double().reciprocal().float()
 
+    @_eager_under_compile
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the optimizer's grads in place and record whether any is non-finite.
         One fused launch per bucket / (device, dtype) group. No host sync."""
@@ -195,6 +212,7 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
             return optimizer.step(*args, **kwargs)
         return None
 
+    @_eager_under_compile
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
         """Unscale (unless :meth:`unscale_` ran) and call ``optimizer.step()`` unless a grad is
         non-finite. Plain optimizers: one host sync. Fused optimizers
@@ -236,14 +254,13 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
                                 else scale * getattr(optimizer, "grad_scale", 1))
         found_inf = self._agree_found_inf(state)
         optimizer.found_inf = found_inf if self._skip_on_overflow else torch.zeros_like(found_inf)
-        try:
-            retval = optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale
-            del optimizer.found_inf
+        retval = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
+        del optimizer.grad_scale
+        del optimizer.found_inf
         return retval
 
+    @_eager_under_compile
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from this iteration's overflow flags, on the device: torch's rule
         plus hysteresis, min / max scale and static scaling. Also records
