@@ -134,22 +134,20 @@ def test_scheduler_steps_only_on_applied_steps_without_sync(backend):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_graph_breaks_no_more_than_torch_scaler(fused):
-    """Dynamo skips torch.amp, so torch's scaler breaks the graph at each call; triton_scaler's
-    step / unscale_ / update run eagerly under compile in the same way."""
-    counts = []
-    for cls in (torch.amp.GradScaler, GradScaler):
-        torch._dynamo.reset()
-        model = torch.nn.Linear(8, 4)
-        opt = torch.optim.AdamW(model.parameters(), fused=fused)
-        scaler = cls("cpu")
+def test_dynamo_traces_a_step_with_few_graph_breaks(fused):
+    """step / unscale_ / update run eagerly under compile (dynamo skips torch.amp's scaler the
+    same way); the frame around them is traced, with at most one break per scaler region."""
+    torch._dynamo.reset()
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), fused=fused)
+    scaler = GradScaler("cpu")
 
-        def train_step(x, model=model, opt=opt, scaler=scaler):
-            scaler.scale(model(x).square().mean()).backward()
-            scaler.unscale_(opt)
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+    def train_step(x):
+        scaler.scale(model(x).square().mean()).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
 
-        counts.append(torch._dynamo.explain(train_step)(torch.randn(3, 8)).graph_break_count)
-    assert counts[1] <= counts[0]
+    explanation = torch._dynamo.explain(train_step)(torch.randn(3, 8))
+    assert explanation.graph_break_count <= 3
