@@ -42,9 +42,14 @@ def tables(rows: dict) -> str:
         label = f"{case}{' fused' if fused is True else ''}"
         for impl, entry in sorted(impls.items(), key=lambda kv: kv[0] != "torch"):
             gbps = _gbps(entry)
-            ratio = (f"{torch_entry['median'] / entry['median']:.2f}" if torch_entry
-                     and impl != "torch" else ("unsupported by torch" if not torch_entry
-                                               else "1.00"))
+            if impl == "torch":
+                ratio = "1.00"
+            elif torch_entry:
+                ratio = f"{torch_entry['median'] / entry['median']:.2f}"
+            elif case == "copy":
+                ratio = "(copy floor)"
+            else:
+                ratio = "torch: unsupported"
             syncs = "" if entry["host_syncs"] is None else f", {entry['host_syncs']} syncs"
             median = entry["median"]
             time = f"{median * 1e6:.1f} us" if median < 1e-3 else f"{median * 1e3:.3f} ms"

@@ -24,15 +24,16 @@ def _sync(device: torch.device) -> None:
 
 
 def interleaved_medians(fns: list[Callable[[], None]], device: torch.device,
-                        repeats: int = 15, inner: int = 3) -> list[float]:
-    """Median seconds per call of each function, measured alternately so that machine noise
-    hits all of them alike."""
+                        repeats: int = 31, inner: int = 3) -> list[float]:
+    """Median seconds per call of each function, measured alternately (in forward and reverse
+    order on alternate repeats) so that machine noise and position hit all of them alike."""
     times: list[list[float]] = [[] for _ in fns]
     for fn in fns:
         fn()
     _sync(device)
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
+    for repeat in range(repeats):
+        order = list(enumerate(fns))
+        for i, fn in order if repeat % 2 == 0 else order[::-1]:  # no favoured slot
             start = time.perf_counter()
             for _ in range(inner):
                 fn()
