@@ -115,11 +115,12 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         fp16 = torch.float16
         with torch.no_grad():
-            covered: frozenset[int] | set[int] = frozenset()
+            covered: frozenset[int] = frozenset()
             for bucket in buckets_of(optimizer):
                 if bucket.dtype == fp16 and not allow_fp16:
                     raise ValueError("Attempting to unscale FP16 gradients.")
-                covered = set(covered) | bucket.attach_grads()
+                attached = bucket.attach_grads()
+                covered = attached if not covered else covered | attached
                 ops.unscale_group_([bucket.buffer], per_device_found_inf.get(bucket.device),
                                    per_device_inv_scale.get(bucket.device), self._backend, write)
             for group in optimizer.param_groups:
