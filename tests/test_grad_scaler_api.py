@@ -233,3 +233,11 @@ def test_import_does_not_import_triton():
     code = "import triton_scaler, sys; assert 'triton' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
     assert triton_scaler.__version__
+
+
+def test_state_dict_keys_are_torchs_plus_the_extensions():
+    from triton_scaler._state import EXTENSION_KEYS
+
+    ours = GradScaler("cpu").state_dict()
+    theirs = torch.amp.GradScaler("cpu").state_dict()
+    assert list(ours) == list(theirs) + list(EXTENSION_KEYS)
