@@ -4,7 +4,6 @@ per step, and whether the two runs differ (they must not, except in speed)."""
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any
 
@@ -73,36 +72,44 @@ def _trajectory(scales: list[float]) -> str:
     return ", ".join(changes[:12]) + (" ..." if len(changes) > 12 else "")
 
 
-def main(steps: int = 300) -> int:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    fused = True
+def compare(device: torch.device, steps: int, fused: bool) -> list[str]:
+    """One pair of runs (torch's scaler, triton_scaler) with one optimizer; prints the table
+    and returns what differs other than speed."""
     overflow_at = {20, 21, 150}
     kwargs = dict(init_scale=2.0**24, growth_interval=50)
-    ours = GradScaler(device.type, **kwargs)
     backend = "triton" if device.type == "cuda" else "reference"
-    print(f"triton_scaler demo: {steps} steps of mixed-precision training on {device} "
-          f"(AdamW fused={fused}, clip_grad_norm_, overflows injected at {sorted(overflow_at)})")
-    torch_run = train_run(torch.amp.GradScaler(device.type, **kwargs), device, steps,
-                          overflow_at, fused, "torch.amp.GradScaler")
-    our_run = train_run(copy.deepcopy(ours), device, steps, overflow_at, fused,
-                        f"triton_scaler ({backend})")
+    print(f"\n== AdamW fused={fused}: {steps} steps on {device}, clip_grad_norm_, overflows "
+          f"injected at {sorted(overflow_at)}")
+    runs = [train_run(torch.amp.GradScaler(device.type, **kwargs), device, steps, overflow_at,
+                      fused, "torch.amp.GradScaler"),
+            train_run(GradScaler(device.type, **kwargs), device, steps, overflow_at, fused,
+                      f"triton_scaler ({backend})")]
     rows = [("final loss", "final_loss", "{:.6f}"), ("final scale", None, "{:g}"),
             ("skipped steps", "skipped", "{}"), ("step time (ms)", "ms_per_step", "{:.3f}"),
             ("host syncs / step", "syncs_per_step", "{:.2f}")]
     print(f"\n{'':<20}{'torch.amp.GradScaler':>24}{'triton_scaler':>24}")
     for label, key, fmt in rows:
-        a = torch_run["scales"][-1] if key is None else torch_run[key]
-        b = our_run["scales"][-1] if key is None else our_run[key]
+        a, b = (run["scales"][-1] if key is None else run[key] for run in runs)
         print(f"{label:<20}{fmt.format(a):>24}{fmt.format(b):>24}")
-    print(f"\nscale trajectory (torch):         {_trajectory(torch_run['scales'])}")
-    print(f"scale trajectory (triton_scaler): {_trajectory(our_run['scales'])}")
+    print(f"scale trajectory (torch):         {_trajectory(runs[0]['scales'])}")
+    print(f"scale trajectory (triton_scaler): {_trajectory(runs[1]['scales'])}")
     differences = []
-    if torch_run["scales"] != our_run["scales"]:
+    if runs[0]["scales"] != runs[1]["scales"]:
         differences.append("scale trajectory")
-    if not all(torch.equal(a, b) for a, b in zip(torch_run["params"], our_run["params"])):
+    if not all(torch.equal(a, b) for a, b in zip(runs[0]["params"], runs[1]["params"])):
         differences.append("parameters")
-    if torch_run["final_loss"] != our_run["final_loss"]:
+    if runs[0]["final_loss"] != runs[1]["final_loss"]:
         differences.append("final loss")
+    return differences
+
+
+def main(steps: int = 300) -> int:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"triton_scaler demo: mixed-precision training with torch.amp.GradScaler and "
+          f"triton_scaler.GradScaler side by side (torch {torch.__version__})")
+    differences = []
+    for fused in (False, True):
+        differences += [f"{d} (fused={fused})" for d in compare(device, steps, fused)]
     print("\ndifferences (other than speed): " + (", ".join(differences) or
-          "none: identical scale trajectory and bit-identical parameters"))
+          "none: identical scale trajectories and bit-identical parameters"))
     return 1 if differences else 0
