@@ -97,32 +97,35 @@ def _as_kernel_view(t: torch.Tensor) -> torch.Tensor:
 _tables: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
 
 
-def chunk_table(grads: list[torch.Tensor], block: int) -> tuple[torch.Tensor, int]:
-    """(table, align) for contiguous, non-empty, same-dtype ``grads`` on one device.
+def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...],
+                block: int) -> tuple[torch.Tensor, int]:
+    """(table, align) for contiguous, non-empty, same-dtype ``grads`` on one device, whose
+    sizes are ``numels``.
 
     ``table`` is an int64 ``[n_chunks, 2]`` device tensor of ``(start, length)`` rows, start in
     elements from ``grads[0]``; ``align`` is the element count of 16 bytes when every chunk
-    starts and ends 16-byte aligned, else 1. Cached on the grads' addresses and sizes, so a training
-    loop whose grads keep their storage builds it once.
+    starts and ends 16-byte aligned, else 1. Cached on the grads' addresses and sizes, so a
+    training loop whose grads keep their storage builds it once; a hit costs one pass over the
+    grads' addresses.
     """
-    key = (grads[0].device, grads[0].dtype, block,
-           tuple(g.data_ptr() for g in grads), tuple(g.numel() for g in grads))
+    first = grads[0]
+    key = (first.device, first.dtype, block, tuple(map(torch.Tensor.data_ptr, grads)), numels)
     hit = _tables.get(key)
     if hit is not None:
         _tables.move_to_end(key)
         return hit
-    elsize = grads[0].element_size()
+    elsize = first.element_size()
     ptrs = torch.tensor(key[3], dtype=torch.int64)
-    numels = torch.tensor(key[4], dtype=torch.int64)
+    sizes = torch.tensor(numels, dtype=torch.int64)
     rel = (ptrs - ptrs[0]) // elsize
-    n_chunks = (numels + block - 1) // block
+    n_chunks = (sizes + block - 1) // block
     owner = torch.repeat_interleave(torch.arange(len(grads)), n_chunks)
     first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
     offset = (torch.arange(owner.numel()) - first_chunk[owner]) * block
-    table = torch.stack([rel[owner] + offset, torch.clamp(numels[owner] - offset, max=block)], 1)
+    table = torch.stack([rel[owner] + offset, torch.clamp(sizes[owner] - offset, max=block)], 1)
     vec = 16 // elsize
-    aligned = all(p % 16 == 0 for p in key[3]) and all(n % vec == 0 for n in key[4])
-    result = (table.to(grads[0].device), vec if aligned else 1)
+    aligned = all(p % 16 == 0 for p in key[3]) and all(n % vec == 0 for n in numels)
+    result = (table.to(first.device), vec if aligned else 1)
     _tables[key] = result
     if len(_tables) > _TABLE_CACHE_SIZE:
         _tables.popitem(last=False)
@@ -143,11 +146,18 @@ def launch_unscale(
     are written back. ``found_inf`` and ``inv_scale`` are 0-d fp32 tensors on the grads' device.
     Asynchronous: no host synchronisation.
     """
-    grads = [g for g in grads if g.numel() > 0]
+    numels = tuple(map(torch.Tensor.numel, grads))  # C-level passes: cheap per grad
+    if 0 in numels:
+        grads = [g for g, n in zip(grads, numels) if n]
+        numels = tuple(n for n in numels if n)
     if not grads:
         return
-    copies = [(g, g.contiguous()) for g in grads if not g.is_contiguous()]
-    dense = [g for g in grads if g.is_contiguous()] + [c for _, c in copies]
+    copies = []
+    dense = grads
+    if not all(map(torch.Tensor.is_contiguous, grads)):  # rare: a correct, slower fallback
+        copies = [(g, g.contiguous()) for g in grads if not g.is_contiguous()]
+        dense = [g for g in grads if g.is_contiguous()] + [c for _, c in copies]
+        numels = tuple(map(torch.Tensor.numel, dense))
     block = _block()
     bf16_bits = dense[0].dtype == torch.bfloat16 and is_interpreting()
     options = {} if is_interpreting() else {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
@@ -158,7 +168,7 @@ def launch_unscale(
             BLOCK=block, USE_TABLE=False, WRITE=write, BF16_BITS=bf16_bits, ALIGN=1, **options,
         )
     else:
-        table, align = chunk_table(dense, block)
+        table, align = chunk_table(dense, numels, block)
         unscale_kernel[(table.shape[0],)](
             _as_kernel_view(dense[0]), table, 0, inv_scale, found_inf,
             BLOCK=block, USE_TABLE=True, WRITE=write, BF16_BITS=bf16_bits, ALIGN=align, **options,
