@@ -83,3 +83,16 @@ def test_against_the_real_deepspeed_when_installed(monkeypatch):
         ours = DynamicLossScaler(2.0**16, 4, 1.0, delayed_shift, consecutive,
                                  raise_error_at_min_scale=False, device="cpu")
         _drive(ours, peer, overflow_bursts(150, delayed_shift), False)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(scale_window=0), "scale_window must be an int >= 1; got 0"),
+    (dict(delayed_shift=0), "delayed_shift must be an int >= 1; got 0"),
+    (dict(min_scale=-1.0), r"min_scale must be a number in \[0, init_scale\]"),
+])
+def test_bad_arguments_name_deepspeeds_own_names(kwargs, match):
+    args = dict(init_scale=2.0**16, scale_window=1000, min_scale=1.0, delayed_shift=1,
+                consecutive_hysteresis=False)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        DynamicLossScaler(**args, device="cpu")

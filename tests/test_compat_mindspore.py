@@ -67,3 +67,17 @@ def test_drop_overflow_update(backend, drop):
     scaler.update()
     assert torch.isfinite(p).all().item() == drop  # taken anyway when not dropping
     assert scaler.get_scale() == 8.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(scale_factor=1), "scale_factor must be an int >= 2; got 1"),
+    (dict(scale_factor=2.5), "scale_factor must be an int >= 2"),
+    (dict(scale_window=0), "scale_window must be an int >= 1; got 0"),
+])
+def test_bad_arguments_name_mindspores_own_names(kwargs, match):
+    args = dict(scale_factor=2, scale_window=10)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        DynamicLossScaler(1024.0, device="cpu", **args)
+    with pytest.raises(ValueError, match=match):
+        DynamicLossScaleManager(1024.0, **args)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from .. import ops
-from ._device import default_device, grads_of
+from ._common import default_device, grads_of, is_int, is_number, require
 
 
 class LossScaler:
@@ -75,8 +75,10 @@ class DynamicLossScaler(LossScaler):
                  dtype: torch.dtype = torch.half, *, device: str | torch.device | None = None,
                  backend: str = "auto") -> None:
         super().__init__(init_scale, device=device, backend=backend)
-        ops.check_policy(self.scale_factor, 1.0 / self.scale_factor, scale_window,
-                         delayed_shift, float(min_scale))
+        require("scale_window", scale_window, is_int(scale_window, 1), "an int >= 1")
+        require("delayed_shift", delayed_shift, is_int(delayed_shift, 1), "an int >= 1")
+        require("min_scale", min_scale, is_number(min_scale) and 0 <= min_scale <= init_scale,
+                "a number in [0, init_scale]")
         self.scale_window = scale_window
         self.min_scale = float(min_scale)
         self.delayed_shift = delayed_shift
@@ -95,10 +97,9 @@ class DynamicLossScaler(LossScaler):
 
     def update_scale(self, overflow) -> None:
         found = torch.as_tensor(overflow, device=self._device).to(torch.float32).reshape(())
-        if self.raise_error_at_min_scale:
-            backs_off = bool(found.item()) and (self.delayed_shift == 1
-                                                or int(self._hysteresis.item()) <= 1)
-            if backs_off and self.loss_scale == self.min_scale:
+        if self.raise_error_at_min_scale:  # one host read, as DeepSpeed's own checks
+            backs_off = (found != 0) & ((self._hysteresis <= 1) | (self.delayed_shift == 1))
+            if (backs_off & (self._scale == self.min_scale)).item():
                 raise Exception("Current loss scale already at minimum - cannot decrease scale "
                                 "anymore. Exiting run.")
         ops.update_scale_(self._scale, self._growth_tracker, found, self.scale_factor,

@@ -15,9 +15,14 @@ import torch
 
 from .. import ops
 from ..grad_scaler import GradScaler
-from ._device import default_device
+from ._common import default_device, is_int, require
 
 TensorOrTuple = torch.Tensor | Sequence[torch.Tensor]
+
+
+def _check_factor_and_window(scale_factor: object, scale_window: object) -> None:
+    require("scale_factor", scale_factor, is_int(scale_factor, 2), "an int >= 2")
+    require("scale_window", scale_window, is_int(scale_window, 1), "an int >= 1")
 
 
 def all_finite(inputs: TensorOrTuple, *, backend: str = "auto") -> torch.Tensor:
@@ -68,7 +73,7 @@ class DynamicLossScaler(StaticLossScaler):
     def __init__(self, scale_value: float, scale_factor: int, scale_window: int, *,
                  device: str | torch.device | None = None, backend: str = "auto") -> None:
         super().__init__(scale_value, device=device, backend=backend)
-        ops.check_policy(float(scale_factor), 1.0 / scale_factor, scale_window, 1, 1.0)
+        _check_factor_and_window(scale_factor, scale_window)
         self.scale_factor = scale_factor
         self.scale_window = scale_window
         self.counter = torch.zeros((), dtype=torch.int32, device=self.scale_value.device)
@@ -110,7 +115,7 @@ class DynamicLossScaleManager:
 
     def __init__(self, init_loss_scale: float = 2.0**24, scale_factor: int = 2,
                  scale_window: int = 2000) -> None:
-        ops.check_policy(float(scale_factor), 1.0 / scale_factor, scale_window, 1, 1.0)
+        _check_factor_and_window(scale_factor, scale_window)
         self._init_loss_scale = float(init_loss_scale)
         self.scale_factor = scale_factor
         self.scale_window = scale_window
