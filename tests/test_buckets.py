@@ -178,3 +178,28 @@ def test_checkpoint_round_trip_with_buckets(backend):
         s.update()
     assert_all_same([p.detach() for p in model2.parameters()],
                     [p.detach() for p in model.parameters()])
+
+
+def test_two_optimizers_over_one_model_each_with_buckets(backend):
+    kwargs = dict(init_scale=2.0**10, growth_interval=3)
+    expected = train(torch.amp.GradScaler("cpu", **kwargs), "adamw", two_optimizers=True,
+                     clip=True)
+    actual = train(GradScaler("cpu", **kwargs, backend=backend), "adamw", two_optimizers=True,
+                   clip=True, buckets=GradBuckets, zero_grad=_zero_buckets)
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])
+
+
+def test_release_frees_params_for_a_rebuilt_optimizer():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    buckets = GradBuckets(opt)
+    model(torch.randn(2, 12)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    buckets.release()
+    assert opt._triton_scaler_buckets == [] and len(buckets) == 0
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == len(grads)  # each grad has its own storage again
+    assert_all_same([p.grad for p in model.parameters()], grads)
+    opt2 = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert len(GradBuckets(opt2)) == 1

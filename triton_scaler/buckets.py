@@ -117,8 +117,24 @@ class GradBuckets:
         for bucket in self.buckets:
             for p in bucket.params:
                 p._triton_scaler_bucketed = True
+        self._optimizer = optimizer
         if optimizer is not None:
             setattr(optimizer, _REGISTRY_ATTR, getattr(optimizer, _REGISTRY_ATTR, []) + self.buckets)
+
+    def release(self) -> None:
+        """Give every grad its own storage again (a copy of its view), unregister the buckets
+        from the optimizer and free the parameters for new buckets (e.g. a rebuilt optimizer)."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                for p, view in zip(bucket.params, bucket.views):
+                    if p.grad is view:
+                        p.grad = view.clone()
+                    del p._triton_scaler_bucketed
+        if self._optimizer is not None:
+            registered = getattr(self._optimizer, _REGISTRY_ATTR, [])
+            setattr(self._optimizer, _REGISTRY_ATTR,
+                    [b for b in registered if all(b is not own for own in self.buckets)])
+        self.buckets = []
 
     def zero_(self) -> None:
         """Zero every bucket (one fill each) and re-point every grad at its view."""
