@@ -125,7 +125,9 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...],
     table = torch.stack([rel[owner] + offset, torch.clamp(sizes[owner] - offset, max=block)], 1)
     vec = 16 // elsize
     aligned = all(p % 16 == 0 for p in key[3]) and all(n % vec == 0 for n in numels)
-    result = (table.to(first.device), vec if aligned else 1)
+    if first.is_cuda:  # pinned + non_blocking: the upload does not wait for the stream
+        table = table.pin_memory().to(first.device, non_blocking=True)
+    result = (table, vec if aligned else 1)
     _tables[key] = result
     if len(_tables) > _TABLE_CACHE_SIZE:
         _tables.popitem(last=False)
