@@ -31,7 +31,12 @@ def _compile(fn, signature, constexprs, attrs, num_warps):
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps,
                                                           "enable_fp_fusion": False})
-    return _instructions(kernel.asm["ptx"])
+    ops = _instructions(kernel.asm["ptx"])
+    if "tt.get_program_id" in kernel.asm["ttir"]:  # offsets must be 64-bit: >2**31 elements
+        pid_line = re.search(r"(%\S+) = tt.get_program_id", kernel.asm["ttir"]).group(1)
+        widened = re.search(rf"arith.extsi {re.escape(pid_line)} : i32 to i64", kernel.asm["ttir"])
+        ops.append("TTIR:program_id_widened_to_i64" if widened else "TTIR:program_id_i32")
+    return ops
 
 
 def main():

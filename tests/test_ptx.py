@@ -52,3 +52,9 @@ def test_unscale_keeps_fp32_multiply(ptx_facts):
     ops = ptx_facts["unscale/fp16/flat/write"]
     assert any(op.startswith("mul") and op.endswith(".f32") for op in ops), ops
     assert not any(op.startswith("fma") for op in ops), ops
+
+
+def test_unscale_offsets_are_64_bit(ptx_facts):
+    for key, ops in ptx_facts.items():
+        if key.startswith("unscale/"):
+            assert "TTIR:program_id_widened_to_i64" in ops, key
