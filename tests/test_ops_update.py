@@ -139,3 +139,17 @@ def test_against_the_real_megatron_core_when_installed(backend):
                                                  growth_interval=4, hysteresis=hysteresis)
         _follow_megatron(peer, hysteresis, min_scale,
                          overflow_bursts(300, hysteresis, p_start=0.15), backend)
+
+
+def test_tracker_past_the_interval_never_grows_like_torch(backend):
+    """torch compares with equality: after set_growth_interval() lowers the interval below
+    the tracker, the tracker keeps counting and the scale does not grow."""
+    ours, theirs = _state(8.0), _state(8.0)
+    ours[1].fill_(5)
+    theirs[1].fill_(5)
+    for _ in range(4):
+        ops.update_scale_(*ours, torch.zeros(()), 2.0, 0.5, 3, backend=backend)
+        torch._amp_update_scale_(*theirs, torch.zeros(()), 2.0, 0.5, 3)
+        assert_same(ours[0], theirs[0])
+        assert_same(ours[1], theirs[1])
+    assert ours[0].item() == 8.0 and ours[1].item() == 9
