@@ -4,8 +4,9 @@ Importing this package does not import triton; the kernels load on first use.
 """
 
 from . import ops
+from ._arguments import ScalerArgumentError
 from .buckets import GradBuckets
-from .grad_scaler import GradScaler, MinScaleReachedError, ScalerArgumentError
+from .grad_scaler import GradScaler, MinScaleReachedError
 from .ops import all_finite
 
 __all__ = ["GradScaler", "GradBuckets", "MinScaleReachedError", "ScalerArgumentError",
