@@ -44,8 +44,7 @@ class ScalerStateMixin:
         ops.check_policy(self._growth_factor, self._backoff_factor, self._growth_interval,
                          self._hysteresis, self._min_scale, self._max_scale)
         if self._params_t is not None:  # in place: a captured CUDA graph sees the new values
-            values = torch.tensor([float(v) for v in self._policy_values()],
-                                  dtype=torch.float64)
+            values = ops.policy_params(*self._policy_values(), torch.device("cpu"))
             if self._params_t.is_cuda:  # stream-ordered upload that does not block the host
                 values = values.pin_memory()
             self._params_t.copy_(values, non_blocking=True)

@@ -184,7 +184,8 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
                   for t in state["found_inf_per_device"].values()]
         if not values:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        agreed = values[0].clone() if len(values) == 1 else torch.stack(values).amax()
+        # One device: the per-device flag itself (a MAX all-reduce in place leaves it 0 / 1).
+        agreed = values[0] if len(values) == 1 else torch.stack(values).amax()
         if self._process_group is not None:
             import torch.distributed as dist
 
