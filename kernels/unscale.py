@@ -8,6 +8,8 @@ One kernel, specialised by constexpr flags:
   elements relative to the base pointer, so any number of same-dtype tensors share one launch.
 * ``WRITE=False``: check only (read, no write), for optimizers that unscale inside their own
   kernel.
+* ``FP64=True``: float64 grads, multiplied in float64 (``double(g) * double(inv_scale)``, as
+  torch's op); every other dtype is multiplied in float32.
 
 found_inf is set to exactly 1.0 when an input element or its unscaled product (rounded to the
 gradient's dtype) is non-finite, by a single masked store from each program that saw one.
@@ -41,6 +43,7 @@ def unscale_kernel(
     WRITE: tl.constexpr,
     BF16_BITS: tl.constexpr,
     ALIGN: tl.constexpr,
+    FP64: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, BLOCK)
@@ -56,13 +59,21 @@ def unscale_kernel(
     raw = tl.load(ptrs, mask=mask, other=0)
     if BF16_BITS:
         x = bf16_bits_to_fp32(raw)
+    elif FP64:
+        x = raw
     else:
         x = raw.to(tl.float32)
-    y = x * tl.load(inv_scale_ptr)
+    if FP64:
+        y = x * tl.load(inv_scale_ptr).to(tl.float64)
+    else:
+        y = x * tl.load(inv_scale_ptr)
     if WRITE:
         if BF16_BITS:
             out = fp32_to_bf16_bits(y)
             checked = bf16_bits_to_fp32(out)
+        elif FP64:
+            out = y
+            checked = y
         else:
             out = y.to(grad_ptr.dtype.element_ty)
             checked = out.to(tl.float32)
@@ -115,16 +126,17 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...],
         _tables.move_to_end(key)
         return hit
     elsize = first.element_size()
-    ptrs = torch.tensor(key[3], dtype=torch.int64)
+    addresses, numels = _without_aliases(key[3], numels)
+    ptrs = torch.tensor(addresses, dtype=torch.int64)
     sizes = torch.tensor(numels, dtype=torch.int64)
     rel = (ptrs - ptrs[0]) // elsize
     n_chunks = (sizes + block - 1) // block
-    owner = torch.repeat_interleave(torch.arange(len(grads)), n_chunks)
+    owner = torch.repeat_interleave(torch.arange(len(addresses)), n_chunks)
     first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
     offset = (torch.arange(owner.numel()) - first_chunk[owner]) * block
     table = torch.stack([rel[owner] + offset, torch.clamp(sizes[owner] - offset, max=block)], 1)
     vec = 16 // elsize
-    aligned = all(p % 16 == 0 for p in key[3]) and all(n % vec == 0 for n in numels)
+    aligned = all(p % 16 == 0 for p in addresses) and all(n % vec == 0 for n in numels)
     if first.is_cuda:  # pinned + non_blocking: the upload does not wait for the stream
         table = table.pin_memory().to(first.device, non_blocking=True)
     result = (table, vec if aligned else 1)
@@ -132,6 +144,28 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...],
     if len(_tables) > _TABLE_CACHE_SIZE:
         _tables.popitem(last=False)
     return result
+
+
+def _flat_memory(t: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D contiguous view of ``t``'s memory when ``t`` is dense and non-overlapping in
+    some dimension order (channels_last, a transpose), else None."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return t.as_strided((t.numel(),), (1,))
+
+
+def _without_aliases(addresses: tuple[int, ...], numels: tuple[int, ...]):
+    """Drop grads that start at the address of an earlier one (``p2.grad = p1.grad``): each
+    memory location is unscaled once. Non-empty grads only (the caller drops empty ones)."""
+    if len(set(addresses)) == len(addresses):
+        return addresses, numels
+    seen: dict[int, int] = {}
+    for address, n in zip(addresses, numels):
+        seen[address] = max(n, seen.get(address, 0))
+    return tuple(seen), tuple(seen.values())
 
 
 def launch_unscale(
@@ -143,10 +177,11 @@ def launch_unscale(
 ) -> None:
     """Unscale (``write=True``) or only check (``write=False``) same-device, same-dtype grads.
 
-    One launch for a single contiguous tensor (flat path) or for all contiguous tensors of the
-    list (chunk-table path). Non-contiguous grads are processed through contiguous copies that
-    are written back. ``found_inf`` and ``inv_scale`` are 0-d fp32 tensors on the grads' device.
-    Asynchronous: no host synchronisation.
+    One launch for a single tensor (flat path) or for all tensors of the list (chunk-table
+    path). Dense non-contiguous grads (channels_last, transposed) are covered as the flat memory
+    they are; overlapping or gapped ones through contiguous copies that are written back. Grads
+    that start at the same address (aliases) are processed once. ``found_inf`` and
+    ``inv_scale`` are 0-d fp32 tensors on the grads' device. Asynchronous: no host sync.
     """
     numels = tuple(map(torch.Tensor.numel, grads))  # C-level passes: cheap per grad
     if 0 in numels:
@@ -156,24 +191,32 @@ def launch_unscale(
         return
     copies = []
     dense = grads
-    if not all(map(torch.Tensor.is_contiguous, grads)):  # rare: a correct, slower fallback
-        copies = [(g, g.contiguous()) for g in grads if not g.is_contiguous()]
-        dense = [g for g in grads if g.is_contiguous()] + [c for _, c in copies]
+    if not all(map(torch.Tensor.is_contiguous, grads)):  # rare: Python work per such grad
+        dense = []
+        for g in grads:
+            flat = g if g.is_contiguous() else _flat_memory(g)
+            if flat is None:  # overlapping or with gaps: a correct, slower fallback
+                flat = g.contiguous()
+                copies.append((g, flat))
+            dense.append(flat)
         numels = tuple(map(torch.Tensor.numel, dense))
     block = _block()
     bf16_bits = dense[0].dtype == torch.bfloat16 and is_interpreting()
+    fp64 = dense[0].dtype == torch.float64
     options = {} if is_interpreting() else {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
     if len(dense) == 1:
         n = dense[0].numel()
         unscale_kernel[(triton.cdiv(n, block),)](
             _as_kernel_view(dense[0]), found_inf, n, inv_scale, found_inf,
-            BLOCK=block, USE_TABLE=False, WRITE=write, BF16_BITS=bf16_bits, ALIGN=1, **options,
+            BLOCK=block, USE_TABLE=False, WRITE=write, BF16_BITS=bf16_bits, ALIGN=1, FP64=fp64,
+            **options,
         )
     else:
         table, align = chunk_table(dense, numels, block)
         unscale_kernel[(table.shape[0],)](
             _as_kernel_view(dense[0]), table, 0, inv_scale, found_inf,
-            BLOCK=block, USE_TABLE=True, WRITE=write, BF16_BITS=bf16_bits, ALIGN=align, **options,
+            BLOCK=block, USE_TABLE=True, WRITE=write, BF16_BITS=bf16_bits, ALIGN=align,
+            FP64=fp64, **options,
         )
     if write:
         for g, c in copies:

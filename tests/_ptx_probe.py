@@ -42,17 +42,18 @@ def _compile(fn, signature, constexprs, attrs, num_warps):
 def main():
     facts = {}
     names = list(unscale_kernel.arg_names)
-    for dtype in ("fp32", "fp16", "bf16"):
+    for dtype in ("fp32", "fp16", "bf16", "fp64"):
         for use_table in (False, True):
             for write in (True, False):
                 signature = {"grad_ptr": f"*{dtype}", "table_ptr": "*i64", "n_elements": "i64",
                              "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32",
                              "BLOCK": "constexpr", "USE_TABLE": "constexpr",
                              "WRITE": "constexpr", "BF16_BITS": "constexpr",
-                             "ALIGN": "constexpr"}
-                elems_16b = 16 // {"fp32": 4, "fp16": 2, "bf16": 2}[dtype]
+                             "ALIGN": "constexpr", "FP64": "constexpr"}
+                elems_16b = 16 // {"fp32": 4, "fp16": 2, "bf16": 2, "fp64": 8}[dtype]
                 constexprs = {"BLOCK": GPU_BLOCK, "USE_TABLE": use_table, "WRITE": write,
-                              "BF16_BITS": False, "ALIGN": elems_16b if use_table else 1}
+                              "BF16_BITS": False, "ALIGN": elems_16b if use_table else 1,
+                              "FP64": dtype == "fp64"}
                 # what triton's launcher specialises for 16-byte aligned pointers / sizes
                 attrs = {(names.index("grad_ptr"),): [["tt.divisibility", 16]],
                          (names.index("n_elements"),): [["tt.divisibility", 16]]}

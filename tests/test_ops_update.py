@@ -7,7 +7,7 @@ import torch
 from _peers import DeepSpeedDynamicLossScaler, MegatronDynamicGradScaler, overflow_bursts
 from _util import assert_same
 
-from triton_scaler import ops
+from triton_scaler import ScalePolicy, ops
 
 
 def _state(scale):
@@ -93,7 +93,7 @@ def test_min_and_max_scale(backend):
 
 def test_triton_reads_factors_from_the_params_buffer():
     scale, tracker = _state(1.0)
-    params = ops.policy_params(2.0, 0.5, 1, 0.0, math.inf, 1, torch.device("cpu")).clone()
+    params = ScalePolicy(growth_interval=1).kernel_params("cpu").clone()
     ops.update_scale_(scale, tracker, torch.zeros(()), 2.0, 0.5, 1, backend="triton",
                       params=params)
     params[0] = 3.0  # a captured graph would see this change

@@ -23,7 +23,7 @@ def ptx_facts():
 
 
 def test_every_variant_compiles(ptx_facts):
-    assert len(ptx_facts) == 3 * 2 * 2 + 2
+    assert len(ptx_facts) == 4 * 2 * 2 + 2
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -52,6 +52,13 @@ def test_unscale_keeps_fp32_multiply(ptx_facts):
     ops = ptx_facts["unscale/fp16/flat/write"]
     assert any(op.startswith("mul") and op.endswith(".f32") for op in ops), ops
     assert not any(op.startswith("fma") for op in ops), ops
+
+
+@pytest.mark.parametrize("mode", ["write", "check"])
+def test_fp64_grads_multiply_in_fp64(ptx_facts, mode):
+    ops = ptx_facts[f"unscale/fp64/flat/{mode}"]
+    assert any(op.startswith("mul") and op.endswith(".f64") for op in ops), ops
+    assert "cvt.rn.f32.f64" not in ops, ops  # never narrowed to fp32
 
 
 def test_unscale_offsets_are_64_bit(ptx_facts):

@@ -1,40 +1,56 @@
-"""Argument checks of :class:`triton_scaler.GradScaler`."""
+"""Checks of :class:`triton_scaler.GradScaler`'s arguments that are not scale settings (those
+live in :mod:`triton_scaler.policy`): device, process group, ``scale()`` outputs."""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterable, Mapping
 
-from . import ops
-from ._backend import check_backend
+import torch
 
+from .policy import ScalerArgumentError
 
-def check_scaler_arguments(init_scale, growth_factor, backoff_factor, growth_interval,
-                           hysteresis, min_scale, max_scale, consecutive_hysteresis,
-                           raise_at_min_scale, dynamic, skip_on_overflow, backend) -> None:
-    """Raise for a bad GradScaler argument, naming it and its accepted values. torch's own
-    checks (growth_factor <= 1, backoff_factor >= 1) keep torch's message and exception type
-    (``ScalerArgumentError`` is both a ValueError and an AssertionError)."""
-    check_backend(backend)
-    if isinstance(growth_factor, (int, float)) and not isinstance(growth_factor, bool) \
-            and growth_factor <= 1.0:
-        raise ScalerArgumentError(f"The growth factor must be > 1.0. Got growth_factor={growth_factor!r}.")
-    if isinstance(backoff_factor, (int, float)) and not isinstance(backoff_factor, bool) \
-            and backoff_factor >= 1.0:
-        raise ScalerArgumentError(f"The backoff factor must be < 1.0. Got backoff_factor={backoff_factor!r}.")
-    ops.check_policy(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
-    if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) \
-            or not 0.0 < init_scale < math.inf:
-        raise ValueError(f"init_scale must be a finite number > 0; got {init_scale!r}")
-    if not min_scale <= init_scale <= max_scale:
-        raise ValueError(f"init_scale must lie in [min_scale, max_scale] = [{min_scale}, "
-                         f"{max_scale}]; got {init_scale!r}")
-    for name, value in (("consecutive_hysteresis", consecutive_hysteresis),
-                        ("raise_at_min_scale", raise_at_min_scale), ("dynamic", dynamic),
-                        ("skip_on_overflow", skip_on_overflow)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool; got {value!r}")
+__all__ = ["ScalerArgumentError", "check_device", "check_process_group", "check_outputs"]
 
 
-class ScalerArgumentError(ValueError, AssertionError):
-    """A bad scaler argument. A ``ValueError``, and an ``AssertionError`` where torch's
-    GradScaler raises one for the same value (growth_factor <= 1, backoff_factor >= 1)."""
+def check_device(device: object) -> None:
+    """``device`` must name a torch device type, e.g. ``"cuda"``, ``"cpu"``, ``"xpu"``."""
+    if isinstance(device, torch.device):
+        return
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a device string such as 'cuda' or 'cpu'; got "
+                        f"{type(device).__name__} {device!r}")
+    try:
+        torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device must be a torch device string such as 'cuda' or 'cpu'; got "
+                         f"{device!r} ({error})") from None
+
+
+def check_process_group(process_group: object) -> None:
+    """``process_group`` must be None or a ``torch.distributed.ProcessGroup``."""
+    if process_group is None:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise TypeError("process_group must be None or a torch.distributed.ProcessGroup (e.g. "
+                        f"dist.group.WORLD or dist.new_group(...)); got "
+                        f"{type(process_group).__name__} {process_group!r}")
+
+
+def check_outputs(outputs: object, where: str = "outputs") -> list | None:
+    """Validate what ``scale()`` was given, eagerly: a tensor, or a list / tuple / iterable of
+    them, nested. Returns the materialised items of a non-list, non-tuple iterable (which
+    ``scale`` then maps lazily, as torch), else None."""
+    if isinstance(outputs, torch.Tensor):
+        return None
+    if isinstance(outputs, (str, bytes, Mapping)) or not isinstance(outputs, Iterable):
+        raise TypeError(f"{where} must be a Tensor or a (nested) list / tuple / iterable of "
+                        f"Tensors; got {type(outputs).__name__} {outputs!r:.80}")
+    items = list(outputs)
+    for i, item in enumerate(items):
+        materialised = check_outputs(item, f"{where}[{i}]")
+        if materialised is not None:
+            raise TypeError(f"{where}[{i}] is a {type(item).__name__}: nested outputs must be "
+                            "Tensors, lists or tuples")
+    return None if isinstance(outputs, (list, tuple)) else items

@@ -1,31 +1,55 @@
-"""Extension state of :class:`triton_scaler.GradScaler`: device tensors, settings, skip signal,
-state_dict / load_state_dict and pickling. Kept apart from the step logic."""
+"""Extension state of :class:`triton_scaler.GradScaler`: the :class:`ScalePolicy`, device
+tensors, skip signal, state_dict / load_state_dict and pickling. Kept apart from the step logic."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
-from . import ops
+from .policy import FP32_TINY, INT32_MAX, INT32_MIN, ScalePolicy, as_int, check_scale_value
 
 EXTENSION_KEYS = ("hysteresis", "_hysteresis_tracker", "consecutive_hysteresis", "min_scale",
                   "max_scale", "raise_at_min_scale", "dynamic", "skip_on_overflow",
                   "skipped_steps")
-_SETTINGS = ("hysteresis", "consecutive_hysteresis", "min_scale", "max_scale",
-             "raise_at_min_scale", "dynamic", "skip_on_overflow")
+TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_INT64_MAX = 2**63 - 1
+
+
+def _key(key: str) -> str:
+    return f"state_dict[{key!r}]"
+
+
+def _policy_field(field: str) -> property:
+    """torch's attribute names (``_growth_factor`` ...) as views of the policy; assigning one
+    (torch's own ``__init__`` does) validates and swaps in a new policy."""
+
+    def get(self) -> Any:
+        return getattr(self._policy, field)
+
+    def set(self, value: Any) -> None:
+        self._set_policy(self._policy.replace(**{field: value}))
+
+    return property(get, set, doc=f"The policy's ``{field}``.")
 
 
 class ScalerStateMixin:
     """State handling shared by GradScaler; expects torch.amp.GradScaler as a later base."""
 
+    _policy: ScalePolicy
+    _growth_factor = _policy_field("growth_factor")
+    _backoff_factor = _policy_field("backoff_factor")
+    _growth_interval = _policy_field("growth_interval")
+
     def _init_extension_state(self) -> None:
-        self._init_hysteresis_tracker = self._hysteresis
+        self._init_hysteresis_tracker = self._policy.hysteresis
         self._init_skipped_steps = 0
         self._hysteresis_tracker_state: torch.Tensor | None = None
         self._skipped_steps_t: torch.Tensor | None = None
         self._last_step_skipped: torch.Tensor | None = None
         self._params_t: torch.Tensor | None = None
+        self._warned_underflow = False
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)  # type: ignore[misc]
@@ -34,25 +58,28 @@ class ScalerStateMixin:
         self._skipped_steps_t = torch.full((), self._init_skipped_steps, dtype=torch.int64,
                                            device=dev)
         self._last_step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
-        self._params_t = ops.policy_params(*self._policy_values(), dev).clone()
+        self._params_t = self._policy.kernel_params(dev).clone()
 
-    def _policy_values(self) -> tuple:
-        return (self._growth_factor, self._backoff_factor, self._growth_interval,
-                self._min_scale, self._max_scale, self._hysteresis)
-
-    def _refresh_params(self) -> None:
-        ops.check_policy(self._growth_factor, self._backoff_factor, self._growth_interval,
-                         self._hysteresis, self._min_scale, self._max_scale)
-        if self._params_t is not None:  # in place: a captured CUDA graph sees the new values
-            values = ops.policy_params(*self._policy_values(), torch.device("cpu"))
-            if self._params_t.is_cuda:  # stream-ordered upload that does not block the host
+    def _set_policy(self, policy: ScalePolicy) -> None:
+        """Swap in a validated policy; the kernel's parameter buffer is updated in place, so a
+        captured CUDA graph sees the new values."""
+        self._policy = policy
+        params = getattr(self, "_params_t", None)
+        if params is not None:
+            values = torch.tensor(policy.kernel_values(), dtype=torch.float64)
+            if params.is_cuda:  # stream-ordered upload that does not block the host
                 values = values.pin_memory()
-            self._params_t.copy_(values, non_blocking=True)
+            params.copy_(values, non_blocking=True)
+
+    @property
+    def policy(self) -> ScalePolicy:
+        """The scale settings (a frozen, validated :class:`ScalePolicy`)."""
+        return self._policy
 
     @property
     def _hysteresis_tracker_t(self) -> torch.Tensor | None:
         """The tracker handed to the update op: None when hysteresis is 1 (torch's rule)."""
-        return self._hysteresis_tracker_state if self._hysteresis > 1 else None
+        return self._hysteresis_tracker_state if self._policy.hysteresis > 1 else None
 
     # ---------------------------------------------------------------- public accessors
     @property
@@ -75,27 +102,36 @@ class ScalerStateMixin:
             return self._init_hysteresis_tracker
         return int(self._hysteresis_tracker_state.item())
 
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled). Synchronises, as torch.
+        Warns once if the scale has underflowed (every step would be skipped)."""
+        scale = super().get_scale()  # type: ignore[misc]
+        if self._enabled:
+            self._warn_if_underflowed(scale)
+        return scale
+
+    def _warn_if_underflowed(self, scale: float) -> None:
+        if scale < FP32_TINY and not self._warned_underflow:
+            self._warned_underflow = True
+            warnings.warn(
+                f"The loss scale has underflowed to {scale!r} (below float32's smallest normal "
+                f"{FP32_TINY!r}): inv_scale = 1/scale is inf or overflows the gradients, so every "
+                "step is skipped from now on. Set min_scale (e.g. min_scale=1.0) to floor the "
+                "backoff, and look for the source of the non-finite gradients.",
+                RuntimeWarning, stacklevel=3)
+
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (> 1); takes effect on the device, also inside CUDA graphs."""
-        old, self._growth_factor = self._growth_factor, new_factor
-        self._set_checked(old, "_growth_factor")
+        """Set the growth factor (finite, > 1); takes effect on the device, also inside CUDA
+        graphs. ``ValueError`` / ``TypeError`` (nothing changed) for a bad value."""
+        self._set_policy(self._policy.replace(growth_factor=new_factor))
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in (0, 1)); takes effect on the device."""
-        old, self._backoff_factor = self._backoff_factor, new_factor
-        self._set_checked(old, "_backoff_factor")
+        """Set the backoff factor (in ``[2**-126, 1)``); takes effect on the device."""
+        self._set_policy(self._policy.replace(backoff_factor=new_factor))
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (int >= 1); takes effect on the device."""
-        old, self._growth_interval = self._growth_interval, new_interval
-        self._set_checked(old, "_growth_interval")
-
-    def _set_checked(self, old: Any, attribute: str) -> None:
-        try:
-            self._refresh_params()
-        except (TypeError, ValueError):
-            setattr(self, attribute, old)
-            raise
+        """Set the growth interval (int in ``[1, 2**31 - 1]``); takes effect on the device."""
+        self._set_policy(self._policy.replace(growth_interval=new_interval))
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -104,37 +140,53 @@ class ScalerStateMixin:
         state = super().state_dict()  # type: ignore[misc]
         if not self._enabled:
             return state
-        state.update({
-            "hysteresis": self._hysteresis,
-            "_hysteresis_tracker": self._get_hysteresis_tracker(),
-            "consecutive_hysteresis": self._consecutive_hysteresis,
-            "min_scale": self._min_scale,
-            "max_scale": self._max_scale,
-            "raise_at_min_scale": self._raise_at_min_scale,
-            "dynamic": self._dynamic,
-            "skip_on_overflow": self._skip_on_overflow,
-            "skipped_steps": self.skipped_steps,
-        })
+        settings = self._policy.state_items()
+        for key in EXTENSION_KEYS:
+            state[key] = settings[key] if key in settings else None
+        state["_hysteresis_tracker"] = self._get_hysteresis_tracker()
+        state["skipped_steps"] = self.skipped_steps
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict of this class or of ``torch.amp.GradScaler`` (whose missing
-        extension keys keep this instance's settings). Unknown keys are ignored, as torch."""
-        super().load_state_dict(state_dict)  # type: ignore[misc]
+        extension keys keep this instance's settings). Every key is validated, with the
+        constructor's rules, before anything changes: on error the scaler is untouched and
+        the error names the key. Unknown keys are ignored, as torch. A no-op when disabled."""
         if not self._enabled:
             return
-        for key in _SETTINGS:
-            if key in state_dict:
-                setattr(self, "_" + key, state_dict[key])
-        self._refresh_params()
-        for key, attr, tensor in (
-            ("_hysteresis_tracker", "_init_hysteresis_tracker", self._hysteresis_tracker_state),
-            ("skipped_steps", "_init_skipped_steps", self._skipped_steps_t),
-        ):
-            if key in state_dict:
-                setattr(self, attr, int(state_dict[key]))
-                if tensor is not None:
-                    tensor.fill_(int(state_dict[key]))
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict; got {type(state_dict).__name__}")
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                               "from a disabled instance of GradScaler.")
+        missing = [key for key in TORCH_KEYS if key not in state_dict]
+        if missing:
+            raise KeyError(f"state_dict lacks {missing}; a GradScaler state_dict has the keys "
+                           f"{list(TORCH_KEYS)} (and optionally {list(EXTENSION_KEYS)})")
+        settings = {f: state_dict[f] for f in self._policy.state_items() if f in state_dict}
+        policy = ScalePolicy.create(settings, name=_key, base=self._policy)
+        scale = check_scale_value(_key("scale"), state_dict["scale"], policy)
+        growth_tracker = as_int(_key("_growth_tracker"), state_dict["_growth_tracker"], 0,
+                                INT32_MAX)
+        # torch's dicts have no tracker: keep ours (refilled to a smaller new hysteresis).
+        current = min(self._get_hysteresis_tracker(), policy.hysteresis)
+        hysteresis_tracker = as_int(
+            _key("_hysteresis_tracker"), state_dict.get("_hysteresis_tracker", current),
+            INT32_MIN, policy.hysteresis, f"an int <= hysteresis ({policy.hysteresis})")
+        skipped = as_int(_key("skipped_steps"),
+                         state_dict.get("skipped_steps", self._init_skipped_steps), 0, _INT64_MAX)
+        # Validated: now change everything.
+        self._set_policy(policy)
+        self._init_scale = scale
+        self._init_growth_tracker = growth_tracker
+        self._init_hysteresis_tracker = hysteresis_tracker
+        self._init_skipped_steps = skipped
+        for tensor, value in ((self._scale, scale), (self._growth_tracker, growth_tracker),
+                              (self._hysteresis_tracker_state, hysteresis_tracker),
+                              (self._skipped_steps_t, skipped)):
+            if tensor is not None:
+                tensor.fill_(value)
+        self._warned_underflow = False
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()  # type: ignore[misc]

@@ -15,10 +15,11 @@ import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
 from . import ops
-from ._arguments import check_scaler_arguments
-from ._backend import Backend
+from ._arguments import check_device, check_outputs, check_process_group
+from ._backend import Backend, check_backend
 from ._state import ScalerStateMixin
 from .buckets import buckets_of
+from .policy import ScalePolicy, check_scale_value
 
 
 def _eager_under_compile(method):
@@ -88,21 +89,33 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
         backend: Backend = "auto",
         process_group: Any = None,
     ) -> None:
-        check_scaler_arguments(init_scale, growth_factor, backoff_factor, growth_interval,
-                               hysteresis, min_scale, max_scale, consecutive_hysteresis,
-                               raise_at_min_scale, dynamic, skip_on_overflow, backend)
-        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval,
-                         enabled)
-        self._hysteresis = hysteresis
-        self._consecutive_hysteresis = consecutive_hysteresis
-        self._min_scale = float(min_scale)
-        self._max_scale = float(max_scale)
-        self._raise_at_min_scale = raise_at_min_scale
-        self._dynamic = dynamic
-        self._skip_on_overflow = skip_on_overflow
+        self._policy = ScalePolicy.create(dict(
+            growth_factor=growth_factor, backoff_factor=backoff_factor,
+            growth_interval=growth_interval, hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
+            max_scale=max_scale, raise_at_min_scale=raise_at_min_scale, dynamic=dynamic,
+            skip_on_overflow=skip_on_overflow))
+        init_scale = check_scale_value("init_scale", init_scale, self._policy)
+        check_backend(backend)
+        check_device(device)
+        check_process_group(process_group)
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool; got {type(enabled).__name__} {enabled!r}")
+        super().__init__(device, init_scale, self._policy.growth_factor,
+                         self._policy.backoff_factor, self._policy.growth_interval, enabled)
         self._backend = backend
         self._process_group = process_group
         self._init_extension_state()
+
+    def scale(self, outputs):
+        """Multiply a tensor, or a (nested) list / tuple / iterable of tensors, by the scale,
+        as torch (an iterable that is not a list or tuple comes back as a lazy ``map``). The
+        structure is checked first: a string, a dict or a non-tensor leaf raises ``TypeError``.
+        No host sync."""
+        if not self._enabled or isinstance(outputs, torch.Tensor):
+            return super().scale(outputs)
+        items = check_outputs(outputs)
+        return super().scale(outputs if items is None else iter(items))
 
     # ------------------------------------------------------------------ device work
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
@@ -114,6 +127,7 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        float_dtypes = ops.FLOAT_DTYPES
         fp16 = torch.float16
         with torch.no_grad():
             covered: frozenset[int] = frozenset()
@@ -137,7 +151,9 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
                             param.grad = grad = grad.coalesce()
                         grad = grad._values()
                     groups[grad.device, dtype].append(grad)
-            for (device, _), grads in groups.items():
+            for (device, dtype), grads in groups.items():
+                if dtype not in float_dtypes:
+                    ops.check_grad_dtype(f"a gradient on {device}", dtype)
                 ops.unscale_group_(grads, per_device_found_inf.get(device),
                                    per_device_inv_scale.get(device), self._backend, write)
         return per_device_found_inf._per_device_tensors
@@ -159,18 +175,24 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
-        state["found_inf_per_device"] = self._unscale_grads_(optimizer, self._inv_scale(),
-                                                             found_inf, False)
+        per_device = self._unscale_grads_(optimizer, self._inv_scale(), found_inf, False)
+        if not per_device and self._process_group is not None:
+            per_device = {found_inf.device: found_inf}  # no grads here: join the agreement with 0
+        state["found_inf_per_device"] = per_device
         state["stage"] = OptState.UNSCALED
-        self._agree_found_inf(state, start_host_copy=True)
+        if per_device:  # none: torch raises in step(), not here
+            self._agree_found_inf(state, start_host_copy=True)
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """Read-only inf/NaN check of the optimizer's grads (the fused-optimizer route)."""
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
         state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = self._unscale_or_check(
-            optimizer, self._inv_scale(), found_inf, True, write=False)
+        per_device = self._unscale_or_check(optimizer, self._inv_scale(), found_inf, True,
+                                            write=False)
+        if not per_device and self._process_group is not None:
+            per_device = {found_inf.device: found_inf}  # no grads here: join the agreement with 0
+        state["found_inf_per_device"] = per_device
         state.pop("found_inf_agreed", None)
         return state["found_inf_per_device"]
 
@@ -193,26 +215,30 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
             state["found_inf_per_device"] = {agreed.device: agreed}
         state["found_inf_agreed"] = agreed
         if start_host_copy and agreed.is_cuda:
-            # Start the device-to-host copy now so step()'s one read overlaps Python work.
-            host = torch.empty((), dtype=torch.float32, pin_memory=True)
-            host.copy_(agreed, non_blocking=True)
+            # Start the device-to-host copy of (found_inf, scale) now, so step()'s one read
+            # overlaps Python work; the scale rides along for the underflow warning.
+            host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+            host[0].copy_(agreed, non_blocking=True)
+            host[1].copy_(self._scale, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             state["found_inf_host"] = (host, event)
         return agreed
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
-        if not self._skip_on_overflow:
+        if not self._policy.skip_on_overflow:
             return optimizer.step(*args, **kwargs)
         agreed = self._agree_found_inf(optimizer_state)
         host = optimizer_state.get("found_inf_host")
         if host is not None:
             host[1].synchronize()
-            flag = host[0]
+            flags = host[0]
         else:
-            flag = agreed
-        if not flag.item():  # the one host sync of the plain route, as torch
+            flags = torch.stack([agreed, self._scale.to(agreed.device)])
+        found, scale = flags.tolist()  # the one host sync of the plain route, as torch
+        if not found:
             return optimizer.step(*args, **kwargs)
+        self._warn_if_underflowed(scale)
         return None
 
     @_eager_under_compile
@@ -256,7 +282,8 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
                                 if state["stage"] is OptState.UNSCALED
                                 else scale * getattr(optimizer, "grad_scale", 1))
         found_inf = self._agree_found_inf(state)
-        optimizer.found_inf = found_inf if self._skip_on_overflow else torch.zeros_like(found_inf)
+        optimizer.found_inf = (found_inf if self._policy.skip_on_overflow
+                               else torch.zeros_like(found_inf))
         retval = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         del optimizer.grad_scale
@@ -273,6 +300,12 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
+            if not isinstance(new_scale, torch.Tensor):  # torch's checks for a tensor
+                new_scale = check_scale_value("new_scale", new_scale, self._policy)
+                scale.fill_(new_scale)
+                self._per_optimizer_states = defaultdict(
+                    torch.amp.grad_scaler._refresh_per_optimizer_state)
+                return
             super().update(new_scale)
             return
         states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
@@ -281,25 +314,28 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
         flags = [self._agree_found_inf(s) for s in states]
         found_inf = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
         skipped = found_inf != 0
-        if self._skip_on_overflow:
+        policy = self._policy
+        if policy.skip_on_overflow:
             self._last_step_skipped.copy_(skipped)
             self._skipped_steps_t.add_(skipped)
-        if self._dynamic:
-            if self._raise_at_min_scale:
-                self._raise_if_at_min_scale(skipped)
-            ops.update_scale_(
-                scale, growth_tracker, found_inf, self._growth_factor, self._backoff_factor,
-                self._growth_interval, hysteresis_tracker=self._hysteresis_tracker_t,
-                hysteresis=self._hysteresis, consecutive_hysteresis=self._consecutive_hysteresis,
-                min_scale=self._min_scale, max_scale=self._max_scale, backend=self._backend,
-                params=self._params_t)
+        at_min_scale = False
+        if policy.dynamic:
+            if policy.raise_at_min_scale:
+                at_min_scale = self._backs_off_at_min_scale(skipped)
+            ops.update_with_policy_(scale, growth_tracker, found_inf, policy,
+                                    hysteresis_tracker=self._hysteresis_tracker_t,
+                                    backend=self._backend, params=self._params_t)
         self._per_optimizer_states = defaultdict(torch.amp.grad_scaler._refresh_per_optimizer_state)
+        if at_min_scale:  # raised after the update is complete: the scaler stays usable
+            raise MinScaleReachedError(
+                f"Current loss scale already at minimum ({policy.min_scale}) - cannot decrease "
+                "scale anymore (raise_at_min_scale=True). The step was skipped and the update "
+                "is complete; the scaler can go on if this error is caught.")
 
-    def _raise_if_at_min_scale(self, skipped: torch.Tensor) -> None:
+    def _backs_off_at_min_scale(self, skipped: torch.Tensor) -> bool:
+        """Whether this overflow backs off with the scale already at ``min_scale`` (one host
+        read, documented on ``raise_at_min_scale``)."""
         backs_off = skipped
         if self._hysteresis_tracker_t is not None:
             backs_off = backs_off & (self._hysteresis_tracker_t <= 1)
-        if (backs_off & (self._scale <= self._min_scale)).item():
-            raise MinScaleReachedError(
-                f"Current loss scale already at minimum ({self._min_scale}) - cannot decrease "
-                "scale anymore (raise_at_min_scale=True).")
+        return bool((backs_off & (self._scale <= self._policy.min_scale)).item())

@@ -20,9 +20,17 @@ import torch
 
 from . import reference
 from ._backend import Backend, resolve_backend
+from .policy import ScalePolicy, cached_policy
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_params_cache: dict[tuple, torch.Tensor] = {}
+#: The grad dtypes the ops accept: torch's op takes these four (and no others).
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_ACCEPTED = "float32, float16, bfloat16 or float64"
+
+
+def check_grad_dtype(where: str, dtype: torch.dtype) -> None:
+    """``TypeError`` naming the dtype and the accepted ones unless torch's op takes it."""
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{where} has dtype {dtype}; gradients must be {_ACCEPTED}")
 
 
 def _check_flag(name: str, t: object, dtype: torch.dtype) -> torch.Tensor:
@@ -33,15 +41,27 @@ def _check_flag(name: str, t: object, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def _group_grads(grads: Sequence[torch.Tensor], device: torch.device):
+def as_tensor_list(grads: object, name: str = "grads") -> list[torch.Tensor]:
+    """``grads`` (a list, tuple or any iterable of tensors, a generator included) as a list;
+    ``TypeError`` for a single tensor or a non-iterable."""
     if isinstance(grads, torch.Tensor):
-        raise TypeError("grads must be a list or tuple of tensors, not a single tensor")
+        raise TypeError(f"{name} must be a list or tuple of tensors, not a single tensor "
+                        f"(wrap it: [{name}])")
+    if isinstance(grads, (list, tuple)):
+        return list(grads)
+    try:
+        return list(grads)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"{name} must be a list or tuple of tensors; got "
+                        f"{type(grads).__name__}") from None
+
+
+def _group_grads(grads: list[torch.Tensor], device: torch.device):
     groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for i, g in enumerate(grads):
         if not isinstance(g, torch.Tensor):
             raise TypeError(f"grads[{i}] must be a tensor; got {type(g).__name__}")
-        if g.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"grads[{i}] has dtype {g.dtype}; accepted: float32, float16, bfloat16")
+        check_grad_dtype(f"grads[{i}]", g.dtype)
         if g.device != device:
             raise ValueError(f"grads[{i}] is on {g.device} but found_inf is on {device}; "
                              "every grad must be on found_inf's device")
@@ -66,17 +86,15 @@ def unscale_group_(grads: list[torch.Tensor], found_inf: torch.Tensor,
 
 
 def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
+    grads = as_tensor_list(grads)
     _check_flag("found_inf", found_inf, torch.float32)
     _check_flag("inv_scale", inv_scale, torch.float32)
     if inv_scale.device != found_inf.device:
         raise ValueError(f"inv_scale is on {inv_scale.device} but found_inf is on {found_inf.device}")
-    if resolve_backend(backend, found_inf.device) == "reference":
-        if isinstance(grads, torch.Tensor):
-            raise TypeError("grads must be a list or tuple of tensors, not a single tensor")
-        grads = list(grads)
+    if resolve_backend(backend, found_inf.device) == "reference" and write:
         try:  # torch's op checks the grads itself: no per-tensor Python work when they are fine
             unscale_group_(grads, found_inf, inv_scale, "reference", write)
-        except (RuntimeError, TypeError, ValueError):
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
             _group_grads(grads, found_inf.device)  # raises the clearer error, if it finds one
             raise
         return
@@ -123,64 +141,12 @@ def non_finite_check_(
 def all_finite(tensors: Sequence[torch.Tensor], *, backend: Backend = "auto") -> torch.Tensor:
     """0-d bool tensor, on the tensors' device (CPU for an empty list): True when every element
     of every tensor is finite (MindSpore / jmp ``all_finite``). Computed on the device, no sync."""
-    device = tensors[0].device if len(tensors) else torch.device("cpu")
+    tensors = as_tensor_list(tensors, "tensors")
+    device = tensors[0].device if tensors else torch.device("cpu")
     found = torch.zeros((), dtype=torch.float32, device=device)
     one = torch.ones((), dtype=torch.float32, device=device)
     non_finite_check_(tensors, found, one, backend=backend)
     return found == 0
-
-
-def _check_number(name: str, value: object, *, integer: bool = False) -> float:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise TypeError(f"{name} must be {'an int' if integer else 'a number'}; got {value!r}")
-    return value  # type: ignore[return-value]
-
-
-_valid_policies: set[tuple] = set()
-
-
-def check_policy(growth_factor: float, backoff_factor: float, growth_interval: int,
-                 hysteresis: int = 1, min_scale: float = 0.0,
-                 max_scale: float = math.inf) -> None:
-    """Raise ``ValueError`` naming the argument and its accepted range for a bad setting
-    (``TypeError`` for a wrong type). Settings seen valid before are not checked again."""
-    args = (growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
-    key = tuple((type(a), a) for a in args)
-    if key in _valid_policies:
-        return
-    for name, value, ok, accepted in (
-        ("growth_factor", growth_factor, lambda v: 1.0 < v < math.inf, "finite and > 1"),
-        ("backoff_factor", backoff_factor, lambda v: 0.0 < v < 1.0, "in (0, 1)"),
-        ("min_scale", min_scale, lambda v: 0.0 <= v < math.inf, "finite and >= 0"),
-        ("max_scale", max_scale, lambda v: v > 0.0, "> 0 (inf allowed)"),
-    ):
-        if not ok(_check_number(name, value)):
-            raise ValueError(f"{name} must be {accepted}; got {value!r}")
-    for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
-        if _check_number(name, value, integer=True) < 1:
-            raise ValueError(f"{name} must be an int >= 1; got {value!r}")
-    if min_scale > max_scale:
-        raise ValueError(f"min_scale must be <= max_scale; got min_scale={min_scale!r}, "
-                         f"max_scale={max_scale!r}")
-    if len(_valid_policies) < 256:
-        _valid_policies.add(key)
-
-
-def policy_params(growth_factor: float, backoff_factor: float, growth_interval: int,
-                  min_scale: float, max_scale: float, hysteresis: int,
-                  device: torch.device) -> torch.Tensor:
-    """The float64 parameter buffer of the update kernel (``kernels.update.PARAMS_LAYOUT``),
-    cached per device and values so repeated calls make no host-to-device copy."""
-    values = (float(growth_factor), float(backoff_factor), float(growth_interval),
-              float(min_scale), float(max_scale), float(hysteresis))
-    key = (device, values)
-    params = _params_cache.get(key)
-    if params is None:
-        if len(_params_cache) > 64:
-            _params_cache.clear()
-        params = _params_cache[key] = torch.tensor(values, dtype=torch.float64, device=device)
-    return params
 
 
 def update_scale_(
@@ -214,17 +180,30 @@ def update_scale_(
     Args:
         scale: 0-d float32 tensor. growth_tracker: 0-d int32 tensor. found_inf: 0-d float32.
             All on one device.
-        params: optional precomputed :func:`policy_params` buffer (Triton backend); when given
+        params: optional precomputed :meth:`ScalePolicy.kernel_params` buffer (Triton backend); when given
             the kernel reads the factors from it, so changes to it take effect in CUDA graphs.
 
     Does not synchronise with the host.
     """
+    policy = cached_policy(growth_factor=growth_factor, backoff_factor=backoff_factor,
+                           growth_interval=growth_interval, hysteresis=hysteresis,
+                           consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
+                           max_scale=max_scale)
+    update_with_policy_(scale, growth_tracker, found_inf, policy,
+                        hysteresis_tracker=hysteresis_tracker, backend=backend, params=params)
+
+
+def update_with_policy_(scale: torch.Tensor, growth_tracker: torch.Tensor,
+                        found_inf: torch.Tensor, policy: ScalePolicy, *,
+                        hysteresis_tracker: torch.Tensor | None = None,
+                        backend: Backend = "auto", params: torch.Tensor | None = None) -> None:
+    """:func:`update_scale_` with its settings as a validated :class:`ScalePolicy` (the
+    scaler's own call). ``hysteresis_tracker`` None: no hysteresis. No host sync."""
     _check_flag("scale", scale, torch.float32)
     _check_flag("growth_tracker", growth_tracker, torch.int32)
     _check_flag("found_inf", found_inf, torch.float32)
     if hysteresis_tracker is not None:
         _check_flag("hysteresis_tracker", hysteresis_tracker, torch.int32)
-    check_policy(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
     tensors = [growth_tracker, found_inf] + ([hysteresis_tracker] if hysteresis_tracker is not None else [])
     for t in tensors:
         if t.device != scale.device:
@@ -234,11 +213,8 @@ def update_scale_(
         from triton_scaler.kernels import launch_update_scale
 
         if params is None:
-            params = policy_params(growth_factor, backoff_factor, growth_interval,
-                                   min_scale, max_scale, hysteresis, scale.device)
+            params = policy.kernel_params(scale.device)
         launch_update_scale(scale, growth_tracker, found_inf, params, hysteresis_tracker,
-                            consecutive_hysteresis)
+                            policy.consecutive_hysteresis)
     else:
-        reference.update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
-                                growth_interval, hysteresis_tracker, hysteresis,
-                                consecutive_hysteresis, min_scale, max_scale)
+        reference.update_scale_(scale, growth_tracker, found_inf, policy, hysteresis_tracker)

@@ -7,60 +7,97 @@ as ``torch.amp.GradScaler("cpu")``.
 
 from __future__ import annotations
 
-import ctypes
+import math
 
 import torch
+
+from .policy import ScalePolicy
+
+# A read of a CPU tensor is not a host-device synchronisation. Bound once, so the host-sync
+# counters of the tests (which patch ``torch.Tensor.item``) count only real device reads.
+_read_cpu_scalar = torch.Tensor.item
 
 
 def _may_overflow(inv_scale: torch.Tensor) -> bool:
     """Whether ``finite * inv_scale`` can be non-finite, i.e. ``inv_scale`` is not in [0, 1].
 
-    On CPU the value is read straight from memory (there is no device to synchronise with);
-    elsewhere the answer is conservatively True, which costs one extra read of the grads.
+    On CPU the value is read directly (there is no device to synchronise with); elsewhere the
+    answer is conservatively True, which costs one extra read of the grads.
     """
     if inv_scale.device.type != "cpu":
         return True
-    value = ctypes.c_float.from_address(inv_scale.contiguous().data_ptr()).value
-    return not 0.0 <= value <= 1.0
+    return not 0.0 <= _read_cpu_scalar(inv_scale) <= 1.0
+
+
+def _without_aliases(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Drop grads that start at the address of an earlier non-empty one (``p2.grad =
+    p1.grad.t()``): each memory location is unscaled once (torch's op unscales it twice)."""
+    addresses = [g.data_ptr() if g.numel() else None for g in grads]
+    non_empty = [a for a in addresses if a is not None]
+    if len(set(non_empty)) == len(non_empty):
+        return grads
+    largest: dict[int, torch.Tensor] = {}  # per address, the alias with the most elements
+    for g, address in zip(grads, addresses):
+        if address is not None and (address not in largest
+                                    or g.numel() > largest[address].numel()):
+            largest[address] = g
+    return [g for g in grads if g.numel() == 0] + list(largest.values())
 
 
 def non_finite_check_and_unscale_(
     grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
 ) -> None:
-    """``grads[i] = dtype(fp32(grads[i]) * inv_scale)``; ``found_inf = 1.0`` if an input or a
-    product is non-finite. Grads share found_inf's device; any float dtype mix."""
+    """``grads[i] = dtype(fp32(grads[i]) * inv_scale)`` (float64 grads: in float64);
+    ``found_inf = 1.0`` if an input or a product is non-finite. Grads share found_inf's device;
+    any mix of float dtypes."""
+    grads = _without_aliases(grads)
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
     if _may_overflow(inv_scale):
-        # torch checks only the inputs; a scale below 1 (or 0) can overflow the products.
+        # torch checks only the inputs; a scale below 1 (or 0) can overflow the products,
+        # which are now stored in the grads.
         check_(grads, found_inf)
+
+
+def _max_abs_per_dtype(grads: list[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
+    """Per dtype, the largest ``|x|`` over the non-empty grads (NaN when one holds a NaN), as a
+    0-d tensor of that dtype. Reads the grads, never writes them."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        if g.numel():
+            groups.setdefault(g.dtype, []).append(g)
+    return {dtype: torch.stack(torch._foreach_norm(ts, math.inf)).max()
+            for dtype, ts in groups.items()}
 
 
 def check_(grads: list[torch.Tensor], found_inf: torch.Tensor,
            inv_scale: torch.Tensor | None = None) -> None:
-    """Set ``found_inf = 1.0`` if any element of ``grads`` (or ``inv_scale``) is non-finite.
-    The grads' values are not changed."""
-    if grads:
-        one = torch.ones((), dtype=torch.float32, device=found_inf.device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
-    if inv_scale is not None:
-        found_inf.copy_(torch.where(inv_scale.isfinite(), found_inf, 1.0))
+    """Set ``found_inf = 1.0`` if an element of ``grads`` is non-finite or, with ``inv_scale``,
+    if its product with ``inv_scale`` is (in float32; float64 grads in float64), exactly as
+    the Triton check. Read-only: the grads are neither written nor required to be writable."""
+    non_finite = []
+    for dtype, peak in _max_abs_per_dtype(grads).items():
+        non_finite.append(~peak.isfinite())
+        if inv_scale is not None and _may_overflow(inv_scale):
+            # Rounding is monotonic: some |x| * inv overflows iff max |x| * inv does.
+            wide = torch.float64 if dtype == torch.float64 else torch.float32
+            non_finite.append(~(peak.to(wide) * inv_scale.to(wide)).isfinite())
+    if non_finite:
+        flag = non_finite[0] if len(non_finite) == 1 else torch.stack(non_finite).any()
+        found_inf.copy_(torch.where(flag, 1.0, found_inf))
 
 
 def update_scale_(
     scale: torch.Tensor,
     growth_tracker: torch.Tensor,
     found_inf: torch.Tensor,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
+    policy: ScalePolicy,
     hysteresis_tracker: torch.Tensor | None,
-    hysteresis: int,
-    consecutive_hysteresis: bool,
-    min_scale: float,
-    max_scale: float,
 ) -> None:
     """torch's ``_amp_update_scale_`` plus hysteresis and a floor / cap, with tensor ops only."""
-    if hysteresis_tracker is None and min_scale == 0.0 and max_scale == float("inf"):
+    growth_factor, backoff_factor = policy.growth_factor, policy.backoff_factor
+    growth_interval, hysteresis = policy.growth_interval, policy.hysteresis
+    min_scale, max_scale = policy.min_scale, policy.max_scale
+    if hysteresis_tracker is None and min_scale == 0.0 and max_scale == math.inf:
         torch._amp_update_scale_(scale, growth_tracker, found_inf,
                                  growth_factor, backoff_factor, growth_interval)
         return
@@ -76,7 +113,8 @@ def update_scale_(
     if hysteresis_tracker is not None:
         decremented = hysteresis_tracker - 1
         back_off = found & (decremented <= 0)
-        refill = torch.ones_like(at_interval) if consecutive_hysteresis else at_interval
+        refill = (torch.ones_like(at_interval) if policy.consecutive_hysteresis
+                  else at_interval)
         refilled = torch.where(refill, hysteresis, hysteresis_tracker)
         hysteresis_tracker.copy_(torch.where(found, decremented, refilled))
     new_scale = torch.where(found, torch.where(back_off, backed, scale),
