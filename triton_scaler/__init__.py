@@ -4,11 +4,11 @@ Importing this package does not import triton; the kernels load on first use.
 """
 
 from . import ops
-from .policy import ScalePolicy, ScalerArgumentError
 from .buckets import GradBuckets
 from .grad_scaler import GradScaler, MinScaleReachedError
 from .ops import all_finite
+from .policy import ScalePolicy, ScalerArgumentError
 
-__all__ = ["GradScaler", "GradBuckets", "MinScaleReachedError", "ScalePolicy", "ScalerArgumentError",
-           "all_finite", "ops"]
+__all__ = ["GradScaler", "GradBuckets", "MinScaleReachedError", "ScalePolicy",
+           "ScalerArgumentError", "all_finite", "ops"]
 __version__ = "0.1.0"
