@@ -88,7 +88,8 @@ def test_against_the_real_deepspeed_when_installed(monkeypatch):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(scale_window=0), "scale_window must be an int >= 1; got 0"),
     (dict(delayed_shift=0), "delayed_shift must be an int >= 1; got 0"),
-    (dict(min_scale=-1.0), r"min_scale must be a number in \[0, init_scale\]"),
+    (dict(min_scale=-1.0), r"min_scale must be finite and >= 0"),
+    (dict(min_scale=2.0**20), r"init_scale must lie in \[min_scale, max_scale\]"),
 ])
 def test_bad_arguments_name_deepspeeds_own_names(kwargs, match):
     args = dict(init_scale=2.0**16, scale_window=1000, min_scale=1.0, delayed_shift=1,

@@ -71,13 +71,13 @@ def test_drop_overflow_update(backend, drop):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(scale_factor=1), "scale_factor must be an int >= 2; got 1"),
-    (dict(scale_factor=2.5), "scale_factor must be an int >= 2"),
+    (dict(scale_factor=2.5), "scale_factor must be an int"),
     (dict(scale_window=0), "scale_window must be an int >= 1; got 0"),
 ])
 def test_bad_arguments_name_mindspores_own_names(kwargs, match):
     args = dict(scale_factor=2, scale_window=10)
     args.update(kwargs)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((TypeError, ValueError), match=match):
         DynamicLossScaler(1024.0, device="cpu", **args)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((TypeError, ValueError), match=match):
         DynamicLossScaleManager(1024.0, **args)

@@ -8,9 +8,20 @@ from collections.abc import Iterable
 from typing import Literal
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 _ALIGN_BYTES = 16
 _REGISTRY_ATTR = "_triton_scaler_buckets"
+# Parameters held by live buckets. Kept off the parameters themselves, so a pickled or copied
+# model (torch.save, deepcopy) carries no trace of buckets it no longer has.
+_bucketed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _grad_strides(p: torch.Tensor) -> tuple[int, ...]:
+    """The strides torch gives ``p``'s gradient: ``p``'s own when it is dense and
+    non-overlapping (channels_last, a transpose), else row-major. Fused optimizers read param
+    and grad as flat memory, so a grad must have exactly these."""
+    return torch.empty_like(p, device="meta").stride()
 
 
 class GradBucket:
@@ -26,26 +37,50 @@ class GradBucket:
             offsets.append(total)
             total += -(-p.numel() // align) * align  # each view starts 16-byte aligned
         self.buffer = torch.zeros(total, dtype=self.dtype, device=self.device)
-        self.views = [self.buffer[o:o + p.numel()].view_as(p) for o, p in zip(offsets, params)]
+        self.views = [self.buffer.as_strided(p.shape, _grad_strides(p), o)
+                      for o, p in zip(offsets, params)]
         self.param_ids = frozenset(id(p) for p in params)
         self._on_detach = on_detach
         self._warned = False
+        # Parameters whose grad autograd wrote since the last zero_(): the others get
+        # ``grad = None`` before the step, as after torch's default zero_grad(), so optimizers
+        # skip them (no weight decay, no momentum, no state for unused or frozen parameters).
+        self.received: set[int] = set()
+        self._unset_by_us: set[int] = set()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._mark_received) for p in params]
         with torch.no_grad():
             for p, view in zip(params, self.views):
                 if p.grad is not None:
                     view.copy_(p.grad)
+                    self.received.add(id(p))
                 p.grad = view
 
+    def _mark_received(self, param: torch.Tensor) -> None:
+        self.received.add(id(param))
+
     def attach_grads(self) -> frozenset[int]:
-        """Check that every grad is still its view and deal with those that are not.
+        """Check that every grad is still its view and deal with those that are not; give the
+        parameters that received no gradient since :meth:`GradBuckets.zero_` ``grad = None``.
 
         Returns the ids of the parameters whose grads this bucket's buffer now holds. A grad
         replaced by ``zero_grad(set_to_none=True)`` is copied back into its view
         (``on_detach="reattach"``) or left to the per-tensor path (``"warn"``); both warn once.
         """
-        detached = [(p, v) for p, v in zip(self.params, self.views) if p.grad is not v]
+        received = self.received
+        detached, quiet = [], []
+        for p, view in zip(self.params, self.views):
+            if p.grad is view:
+                if id(p) not in received:  # no gradient this iteration: as torch, grad None
+                    p.grad = None
+                    self._unset_by_us.add(id(p))
+            elif id(p) in received:  # autograd made a new grad: not a view any more
+                (quiet if id(p) in self._unset_by_us else detached).append((p, view))
+        held = self.param_ids if len(received) == len(self.params) else frozenset(received)
+        if quiet:  # grads we set to None and autograd re-created: back in, no warning
+            self._unset_by_us.difference_update(id(p) for p, _ in quiet)
+            self._reattach(quiet)
         if not detached:
-            return self.param_ids
+            return held
         if not self._warned:
             self._warned = True
             warnings.warn(
@@ -56,17 +91,22 @@ class GradBucket:
                    "They take the per-tensor path, off the one-launch fast path; ")
                 + "call buckets.zero_() or optimizer.zero_grad(set_to_none=False) instead.",
                 stacklevel=5)
+        return held - self._reattach(detached, self._on_detach == "reattach")
+
+    def _reattach(self, detached: list, copy_back: bool = True) -> set[int]:
+        """Copy each grad back into its view (or zero the view and leave the grad outside);
+        returns the ids of the parameters left outside the bucket."""
         outside = set()
         with torch.no_grad():
             for p, view in detached:
                 grad = p.grad
-                if grad is not None and self._on_detach == "reattach" and not grad.is_sparse:
+                if grad is not None and copy_back and not grad.is_sparse:
                     view.copy_(grad)
                     p.grad = view
                 else:
                     view.zero_()  # the bucket launch must not see stale values
                     outside.add(id(p))
-        return self.param_ids - outside
+        return outside
 
 
 class GradBuckets:
@@ -105,7 +145,7 @@ class GradBuckets:
                 raise TypeError(f"parameter {i} is a {type(p).__name__}, not a tensor")
             if not p.requires_grad or id(p) in seen:
                 continue
-            if getattr(p, "_triton_scaler_bucketed", False):
+            if p in _bucketed:
                 raise ValueError(f"parameter {i} already belongs to other GradBuckets; build "
                                  "one GradBuckets per optimizer, over disjoint parameters")
             if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -116,7 +156,7 @@ class GradBuckets:
         self.buckets = [GradBucket(ps, on_detach) for ps in groups.values()]
         for bucket in self.buckets:
             for p in bucket.params:
-                p._triton_scaler_bucketed = True
+                _bucketed[p] = True
         self._optimizer = optimizer
         if optimizer is not None:
             setattr(optimizer, _REGISTRY_ATTR, getattr(optimizer, _REGISTRY_ATTR, []) + self.buckets)
@@ -129,7 +169,9 @@ class GradBuckets:
                 for p, view in zip(bucket.params, bucket.views):
                     if p.grad is view:
                         p.grad = view.clone()
-                    del p._triton_scaler_bucketed
+                    _bucketed.pop(p, None)
+                for hook in bucket._hooks:
+                    hook.remove()
         if self._optimizer is not None:
             registered = getattr(self._optimizer, _REGISTRY_ATTR, [])
             setattr(self._optimizer, _REGISTRY_ATTR,
@@ -137,11 +179,16 @@ class GradBuckets:
         self.buckets = []
 
     def zero_(self) -> None:
-        """Zero every bucket (one fill each) and re-point every grad at its view."""
+        """Zero every bucket (one fill each) and re-point every grad at its view: the
+        equivalent of torch's default ``optimizer.zero_grad()``. Parameters that then receive
+        no gradient before the step get ``grad = None`` and are skipped by the optimizer,
+        exactly as in torch's default loop."""
         for bucket in self.buckets:
             for p, view in zip(bucket.params, bucket.views):
                 if p.grad is not view:
                     p.grad = view
+            bucket.received.clear()
+            bucket._unset_by_us.clear()
             bucket.buffer.zero_()
 
     def __len__(self) -> int:

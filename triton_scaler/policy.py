@@ -50,6 +50,9 @@ def as_int(name: str, value: object, lo: int, hi: int, accepted: str | None = No
     """``value`` as a Python int in ``[lo, hi]`` (ints and numpy integers, not bools)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
+    if int(value) > hi and accepted is not None:
+        raise ValueError(f"{name} must be {accepted} and at most {hi} (it is stored as int32); "
+                         f"got {value!r}")
     if not lo <= int(value) <= hi:
         raise ValueError(f"{name} must be {accepted or f'an int in [{lo}, {hi}]'}; got {value!r}")
     return int(value)
@@ -188,9 +191,9 @@ def _normalized(raw: Any, name: Namer) -> dict[str, Any]:
         "growth_factor": growth,
         "backoff_factor": backoff,
         "growth_interval": as_int(name("growth_interval"), raw.growth_interval, 1, INT32_MAX,
-                                  f"an int >= 1 (at most {INT32_MAX})"),
+                                  "an int >= 1"),
         "hysteresis": as_int(name("hysteresis"), raw.hysteresis, 1, INT32_MAX,
-                             f"an int >= 1 (at most {INT32_MAX})"),
+                             "an int >= 1"),
         "consecutive_hysteresis": as_bool(name("consecutive_hysteresis"),
                                           raw.consecutive_hysteresis),
         "min_scale": min_scale,

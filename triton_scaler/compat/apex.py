@@ -13,8 +13,12 @@ from typing import Any
 
 import torch
 
+from .._backend import check_backend
 from ..grad_scaler import GradScaler
+from ..policy import INT32_MAX, ScalePolicy, as_int, as_real, check_scale_value
 
+_NAMES = {"growth_interval": "scale_window", "min_scale": "min_loss_scale",
+          "max_scale": "max_loss_scale"}
 _SKIP_ATTR = "_triton_scaler_apex_pending"
 
 
@@ -34,29 +38,45 @@ class Amp:
                  min_loss_scale: float | None = None, max_loss_scale: float = 2.0**24,
                  loss_scale: float | str = "dynamic", scale_window: int = 2000,
                  backend: str = "auto") -> None:
-        if not isinstance(num_losses, int) or num_losses < 1:
-            raise ValueError(f"num_losses must be an int >= 1; got {num_losses!r}")
-        if loss_scale != "dynamic" and not isinstance(loss_scale, (int, float)):
-            raise ValueError(f"loss_scale must be 'dynamic' or a number; got {loss_scale!r}")
-        self.num_losses = num_losses
-        self._dynamic = loss_scale == "dynamic"
-        self._init = min(max_loss_scale, init_scale) if self._dynamic else float(loss_scale)
-        self._kwargs = dict(growth_interval=scale_window, backend=backend,
-                            min_scale=float(min_loss_scale or 0.0),
-                            max_scale=float(max_loss_scale), dynamic=self._dynamic)
-        self._scalers: list[GradScaler | None] = [None] * num_losses
-        self._pending_state: list[dict | None] = [None] * num_losses
+        self.num_losses = as_int("num_losses", num_losses, 1, INT32_MAX, "an int >= 1")
+        check_backend(backend)
+        self._dynamic = isinstance(loss_scale, str) and loss_scale == "dynamic"
+        if self._dynamic:
+            self._policy = ScalePolicy.create(
+                dict(growth_interval=scale_window,
+                     min_scale=0.0 if min_loss_scale is None else min_loss_scale,
+                     max_scale=max_loss_scale), name=lambda field: _NAMES.get(field, field))
+            # apex caps the initial scale at max_loss_scale
+            self._init = check_scale_value("init_scale", min(as_real("init_scale", init_scale),
+                                                             self._policy.max_scale),
+                                           self._policy)
+        else:  # static: apex ignores the window and the floor / cap, and never skips
+            if isinstance(loss_scale, str):
+                raise ValueError(f"loss_scale must be 'dynamic' or a number; got {loss_scale!r}")
+            self._policy = ScalePolicy(dynamic=False, skip_on_overflow=False)
+            self._init = check_scale_value("loss_scale", loss_scale)
+        self._backend = backend
+        self._scalers: list[GradScaler | None] = [None] * self.num_losses
+        self._pending_state: list[dict | None] = [None] * self.num_losses
 
     def _scaler(self, loss_id: int, device: torch.device) -> GradScaler:
-        if not 0 <= loss_id < self.num_losses:
-            raise ValueError(f"loss_id must be in [0, {self.num_losses}); got {loss_id!r}")
+        self._check_loss_id(loss_id)
         scaler = self._scalers[loss_id]
         if scaler is None:
-            scaler = GradScaler(device.type, init_scale=self._init, **self._kwargs)
+            p = self._policy
+            scaler = GradScaler(device.type, init_scale=self._init, growth_interval=p.growth_interval,
+                                min_scale=p.min_scale, max_scale=p.max_scale, dynamic=p.dynamic,
+                                backend=self._backend)
             if self._pending_state[loss_id] is not None:
                 scaler.load_state_dict(self._pending_state[loss_id])
+                self._pending_state[loss_id] = None
             self._scalers[loss_id] = scaler
         return scaler
+
+    def _check_loss_id(self, loss_id: object) -> None:
+        if isinstance(loss_id, bool) or not isinstance(loss_id, int) \
+                or not 0 <= loss_id < self.num_losses:
+            raise ValueError(f"loss_id must be in [0, {self.num_losses}); got {loss_id!r}")
 
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor, optimizers: torch.optim.Optimizer | Sequence[Any],
@@ -81,31 +101,46 @@ class Amp:
                 _skip_next_step_if(opt, found_inf)
 
     def loss_scale(self, loss_id: int = 0) -> float:
-        """The current scale of ``loss_id`` (synchronises)."""
-        scaler = self._scalers[loss_id]
-        return self._init if scaler is None else scaler.get_scale()
+        """The current scale of ``loss_id`` (synchronises); a loaded state counts before the
+        first :meth:`scale_loss`."""
+        return self._entry(loss_id)["loss_scale"]
+
+    def _entry(self, loss_id: int) -> dict[str, float | int]:
+        self._check_loss_id(loss_id)
+        scaler, pending = self._scalers[loss_id], self._pending_state[loss_id]
+        if scaler is not None:
+            return {"loss_scale": scaler.get_scale(), "unskipped": scaler._get_growth_tracker()}
+        if pending is not None:
+            return {"loss_scale": pending["scale"], "unskipped": pending["_growth_tracker"]}
+        return {"loss_scale": self._init, "unskipped": 0}
 
     def state_dict(self) -> dict[str, dict[str, float | int]]:
         """apex's format: ``{"loss_scaler<i>": {"loss_scale": ..., "unskipped": ...}}``."""
-        out = {}
-        for i, scaler in enumerate(self._scalers):
-            if scaler is None:
-                out[f"loss_scaler{i}"] = {"loss_scale": self._init, "unskipped": 0}
-            else:
-                out[f"loss_scaler{i}"] = {"loss_scale": scaler.get_scale(),
-                                          "unskipped": scaler._get_growth_tracker()}
-        return out
+        return {f"loss_scaler{i}": self._entry(i) for i in range(self.num_losses)}
 
     def load_state_dict(self, state_dict: dict[str, dict[str, float | int]]) -> None:
-        if len(state_dict) != self.num_losses:
-            raise ValueError(f"state_dict has {len(state_dict)} loss scalers; this Amp has "
-                             f"{self.num_losses}")
-        for i in range(self.num_losses):
-            entry = state_dict[f"loss_scaler{i}"]
-            torch_state = {"scale": float(entry["loss_scale"]), "growth_factor": 2.0,
-                           "backoff_factor": 0.5,
-                           "growth_interval": self._kwargs["growth_interval"],
-                           "_growth_tracker": int(entry["unskipped"])}
+        """Load apex's format. Every entry is validated before anything changes; errors name
+        the entry."""
+        expected = [f"loss_scaler{i}" for i in range(self.num_losses)]
+        if not isinstance(state_dict, dict) or sorted(state_dict) != sorted(expected):
+            raise ValueError(f"state_dict must have exactly the keys {expected} (this Amp has "
+                             f"{self.num_losses} losses); got "
+                             f"{sorted(state_dict) if isinstance(state_dict, dict) else state_dict!r}")
+        states = []
+        for key in expected:
+            entry = state_dict[key]
+            if not isinstance(entry, dict) or {"loss_scale", "unskipped"} - set(entry):
+                raise ValueError(f"state_dict[{key!r}] must be a dict with 'loss_scale' and "
+                                 f"'unskipped'; got {entry!r}")
+            policy = self._policy if self._dynamic else None
+            scale = check_scale_value(f"state_dict[{key!r}]['loss_scale']", entry["loss_scale"],
+                                      policy)
+            unskipped = as_int(f"state_dict[{key!r}]['unskipped']", entry["unskipped"], 0,
+                               INT32_MAX, "an int >= 0")
+            states.append({"scale": scale, "growth_factor": 2.0, "backoff_factor": 0.5,
+                           "growth_interval": self._policy.growth_interval,
+                           "_growth_tracker": unskipped})
+        for i, torch_state in enumerate(states):
             if self._scalers[i] is None:
                 self._pending_state[i] = torch_state
             else:

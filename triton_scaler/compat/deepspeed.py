@@ -13,7 +13,11 @@ from collections.abc import Iterable
 import torch
 
 from .. import ops
-from ._common import default_device, grads_of, is_int, is_number, require
+from .._backend import check_backend
+from ..policy import ScalePolicy, as_bool, check_scale_value
+from ._common import default_device, grads_of
+
+_NAMES = {"growth_interval": "scale_window", "hysteresis": "delayed_shift"}
 
 
 class LossScaler:
@@ -23,11 +27,13 @@ class LossScaler:
 
     def __init__(self, scale: float = 1.0, *, device: str | torch.device | None = None,
                  backend: str = "auto") -> None:
-        if not 0.0 < float(scale) < float("inf"):
-            raise ValueError(f"scale must be a finite number > 0; got {scale!r}")
+        self._init_state(check_scale_value("scale", scale), device, backend)
+
+    def _init_state(self, scale: float, device, backend: str) -> None:
+        check_backend(backend)
         self._device = default_device(device)
         self._backend = backend
-        self._scale = torch.full((), float(scale), dtype=torch.float32, device=self._device)
+        self._scale = torch.full((), scale, dtype=torch.float32, device=self._device)
 
     @property
     def loss_scale(self) -> float:
@@ -74,21 +80,24 @@ class DynamicLossScaler(LossScaler):
                  consecutive_hysteresis: bool = False, raise_error_at_min_scale: bool = True,
                  dtype: torch.dtype = torch.half, *, device: str | torch.device | None = None,
                  backend: str = "auto") -> None:
-        super().__init__(init_scale, device=device, backend=backend)
-        require("scale_window", scale_window, is_int(scale_window, 1), "an int >= 1")
-        require("delayed_shift", delayed_shift, is_int(delayed_shift, 1), "an int >= 1")
-        require("min_scale", min_scale, is_number(min_scale) and 0 <= min_scale <= init_scale,
-                "a number in [0, init_scale]")
-        self.scale_window = scale_window
-        self.min_scale = float(min_scale)
-        self.delayed_shift = delayed_shift
-        self.consecutive_hysteresis = consecutive_hysteresis
-        self.raise_error_at_min_scale = raise_error_at_min_scale
+        self._policy = ScalePolicy.create(
+            dict(growth_factor=self.scale_factor, backoff_factor=1.0 / self.scale_factor,
+                 growth_interval=scale_window, hysteresis=delayed_shift, min_scale=min_scale,
+                 consecutive_hysteresis=consecutive_hysteresis),
+            name=lambda field: _NAMES.get(field, field))
+        self._init_state(check_scale_value("init_scale", init_scale, self._policy), device,
+                         backend)
+        self.scale_window = self._policy.growth_interval
+        self.min_scale = self._policy.min_scale
+        self.delayed_shift = self._policy.hysteresis
+        self.consecutive_hysteresis = self._policy.consecutive_hysteresis
+        self.raise_error_at_min_scale = as_bool("raise_error_at_min_scale",
+                                                raise_error_at_min_scale)
         self.dtype = dtype
         # DeepSpeed grows on the (scale_window + 1)-th clean step after an overflow (and at
         # the start): the growth tracker starts one below torch's.
         self._growth_tracker = torch.full((), -1, dtype=torch.int32, device=self._device)
-        self._hysteresis = torch.full((), delayed_shift, dtype=torch.int32, device=self._device)
+        self._hysteresis = torch.full((), self.delayed_shift, dtype=torch.int32, device=self._device)
 
     @property
     def cur_hysteresis(self) -> int:
@@ -102,11 +111,8 @@ class DynamicLossScaler(LossScaler):
             if (backs_off & (self._scale == self.min_scale)).item():
                 raise Exception("Current loss scale already at minimum - cannot decrease scale "
                                 "anymore. Exiting run.")
-        ops.update_scale_(self._scale, self._growth_tracker, found, self.scale_factor,
-                          1.0 / self.scale_factor, self.scale_window,
-                          hysteresis_tracker=self._hysteresis, hysteresis=self.delayed_shift,
-                          consecutive_hysteresis=self.consecutive_hysteresis,
-                          min_scale=self.min_scale, backend=self._backend)
+        ops.update_with_policy_(self._scale, self._growth_tracker, found, self._policy,
+                                hysteresis_tracker=self._hysteresis, backend=self._backend)
         self._growth_tracker.copy_(torch.where(found != 0, -1, self._growth_tracker))
 
 

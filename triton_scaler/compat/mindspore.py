@@ -14,15 +14,33 @@ from collections.abc import Sequence
 import torch
 
 from .. import ops
+from .._backend import check_backend
 from ..grad_scaler import GradScaler
-from ._common import default_device, is_int, require
+from ..policy import INT32_MAX, ScalePolicy, as_bool, as_int, check_scale_value
+from ._common import default_device
 
 TensorOrTuple = torch.Tensor | Sequence[torch.Tensor]
 
 
-def _check_factor_and_window(scale_factor: object, scale_window: object) -> None:
-    require("scale_factor", scale_factor, is_int(scale_factor, 2), "an int >= 2")
-    require("scale_window", scale_window, is_int(scale_window, 1), "an int >= 1")
+def _dynamic_policy(scale_factor: object, scale_window: object) -> ScalePolicy:
+    """MindSpore's rule as a policy: growth by ``scale_factor`` (an int >= 2), backoff by its
+    reciprocal, floored at 1; errors name MindSpore's arguments."""
+    factor = as_int("scale_factor", scale_factor, 2, INT32_MAX, "an int >= 2")
+    return ScalePolicy.create(
+        dict(growth_factor=float(factor), backoff_factor=1.0 / factor,
+             growth_interval=scale_window, min_scale=1.0),
+        name=lambda field: {"growth_interval": "scale_window"}.get(field, field))
+
+
+def _grads_finite_flag(grads_finite: object) -> torch.Tensor:
+    """MindSpore's ``adjust`` takes a bool or a bool tensor, nothing else (``~1 == -2``)."""
+    if isinstance(grads_finite, bool):
+        return torch.tensor(grads_finite)
+    if isinstance(grads_finite, torch.Tensor) and grads_finite.dtype == torch.bool \
+            and grads_finite.numel() == 1:
+        return grads_finite
+    raise TypeError("grads_finite must be a bool or a one-element bool tensor (e.g. from "
+                    f"all_finite); got {type(grads_finite).__name__} {grads_finite!r}")
 
 
 def all_finite(inputs: TensorOrTuple, *, backend: str = "auto") -> torch.Tensor:
@@ -36,10 +54,10 @@ class StaticLossScaler:
 
     def __init__(self, scale_value: float, *, device: str | torch.device | None = None,
                  backend: str = "auto") -> None:
-        if not 0.0 < float(scale_value) < float("inf"):
-            raise ValueError(f"scale_value must be a finite number > 0; got {scale_value!r}")
+        value = check_scale_value("scale_value", scale_value)
+        check_backend(backend)
         self._backend = backend
-        self.scale_value = torch.full((), float(scale_value), dtype=torch.float32,
+        self.scale_value = torch.full((), value, dtype=torch.float32,
                                       device=default_device(device))
 
     def _map(self, inputs: TensorOrTuple, fn):
@@ -72,19 +90,19 @@ class DynamicLossScaler(StaticLossScaler):
 
     def __init__(self, scale_value: float, scale_factor: int, scale_window: int, *,
                  device: str | torch.device | None = None, backend: str = "auto") -> None:
+        self._policy = _dynamic_policy(scale_factor, scale_window)
         super().__init__(scale_value, device=device, backend=backend)
-        _check_factor_and_window(scale_factor, scale_window)
-        self.scale_factor = scale_factor
-        self.scale_window = scale_window
+        self.scale_factor = int(self._policy.growth_factor)
+        self.scale_window = self._policy.growth_interval
         self.counter = torch.zeros((), dtype=torch.int32, device=self.scale_value.device)
 
     def adjust(self, grads_finite: torch.Tensor) -> bool:
-        """Update ``scale_value`` from ``grads_finite`` (bool tensor), on the device."""
-        found = (~torch.as_tensor(grads_finite, device=self.scale_value.device)
-                 .reshape(())).to(torch.float32)
-        ops.update_scale_(self.scale_value, self.counter, found, float(self.scale_factor),
-                          1.0 / self.scale_factor, self.scale_window, min_scale=1.0,
-                          backend=self._backend)
+        """Update ``scale_value`` from ``grads_finite`` (a bool or a one-element bool tensor),
+        on the device. ``TypeError`` for any other flag, as MindSpore."""
+        flag = _grads_finite_flag(grads_finite).to(self.scale_value.device).reshape(())
+        found = (~flag).to(torch.float32)
+        ops.update_with_policy_(self.scale_value, self.counter, found, self._policy,
+                                backend=self._backend)
         return True
 
 
@@ -93,10 +111,11 @@ class FixedLossScaleManager:
     the optimizer step is taken even on overflow (as MindSpore does)."""
 
     def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True) -> None:
-        if not 1.0 <= float(loss_scale) < float("inf"):
+        scale = check_scale_value("loss_scale", loss_scale)
+        if scale < 1.0:
             raise ValueError(f"loss_scale must be a finite number >= 1; got {loss_scale!r}")
-        self._loss_scale = float(loss_scale)
-        self._drop_overflow_update = drop_overflow_update
+        self._loss_scale = scale
+        self._drop_overflow_update = as_bool("drop_overflow_update", drop_overflow_update)
 
     def get_loss_scale(self) -> float:
         return self._loss_scale
@@ -115,10 +134,11 @@ class DynamicLossScaleManager:
 
     def __init__(self, init_loss_scale: float = 2.0**24, scale_factor: int = 2,
                  scale_window: int = 2000) -> None:
-        _check_factor_and_window(scale_factor, scale_window)
-        self._init_loss_scale = float(init_loss_scale)
-        self.scale_factor = scale_factor
-        self.scale_window = scale_window
+        self._policy = _dynamic_policy(scale_factor, scale_window)
+        self._init_loss_scale = check_scale_value("init_loss_scale", init_loss_scale,
+                                                  self._policy)
+        self.scale_factor = int(self._policy.growth_factor)
+        self.scale_window = self._policy.growth_interval
 
     def get_loss_scale(self) -> float:
         return self._init_loss_scale
@@ -128,7 +148,8 @@ class DynamicLossScaleManager:
 
     def get_grad_scaler(self, device: str | torch.device | None = None) -> GradScaler:
         """A :class:`triton_scaler.GradScaler` following MindSpore's dynamic rule."""
+        policy = self._policy
         return GradScaler(default_device(device).type, init_scale=self._init_loss_scale,
-                          growth_factor=float(self.scale_factor),
-                          backoff_factor=1.0 / self.scale_factor,
-                          growth_interval=self.scale_window, min_scale=1.0)
+                          growth_factor=policy.growth_factor,
+                          backoff_factor=policy.backoff_factor,
+                          growth_interval=policy.growth_interval, min_scale=policy.min_scale)
