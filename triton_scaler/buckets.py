@@ -47,6 +47,8 @@ class GradBucket:
         # skip them (no weight decay, no momentum, no state for unused or frozen parameters).
         self.received: set[int] = set()
         self._unset_by_us: set[int] = set()
+        self._zeroed: set[int] = set()  # views zeroed while their grad is None
+        self._index = {id(p): i for i, p in enumerate(params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._mark_received) for p in params]
         with torch.no_grad():
             for p, view in zip(params, self.views):
@@ -67,15 +69,23 @@ class GradBucket:
         (``on_detach="reattach"``) or left to the per-tensor path (``"warn"``); both warn once.
         """
         received = self.received
-        detached, quiet = [], []
+        detached, quiet, unset = [], [], []
         for p, view in zip(self.params, self.views):
-            if p.grad is view:
+            grad = p.grad
+            if grad is view:
                 if id(p) not in received:  # no gradient this iteration: as torch, grad None
                     p.grad = None
                     self._unset_by_us.add(id(p))
-            elif id(p) in received:  # autograd made a new grad: not a view any more
-                (quiet if id(p) in self._unset_by_us else detached).append((p, view))
-        held = self.param_ids if len(received) == len(self.params) else frozenset(received)
+            elif grad is None:  # set to None outside: the view must not keep stale values
+                unset.append(p)
+            elif id(p) in self._unset_by_us:  # we set it to None; autograd made a new one
+                quiet.append((p, view))
+            else:  # not a view any more (zero_grad(set_to_none=True), or assigned)
+                detached.append((p, view))
+        held = self.param_ids.difference(id(p) for p in unset) \
+            if len(received) == len(self.params) else frozenset(received)
+        if unset:
+            self._zero_views_of(unset)
         if quiet:  # grads we set to None and autograd re-created: back in, no warning
             self._unset_by_us.difference_update(id(p) for p, _ in quiet)
             self._reattach(quiet)
@@ -93,6 +103,14 @@ class GradBucket:
                 stacklevel=5)
         return held - self._reattach(detached, self._on_detach == "reattach")
 
+    def _zero_views_of(self, params: list) -> None:
+        """Zero the views of parameters whose grad is None, once until they are written."""
+        with torch.no_grad():
+            for p in params:
+                if id(p) not in self._zeroed:
+                    self._zeroed.add(id(p))
+                    self.views[self._index[id(p)]].zero_()
+
     def _reattach(self, detached: list, copy_back: bool = True) -> set[int]:
         """Copy each grad back into its view (or zero the view and leave the grad outside);
         returns the ids of the parameters left outside the bucket."""
@@ -103,6 +121,7 @@ class GradBucket:
                 if grad is not None and copy_back and not grad.is_sparse:
                     view.copy_(grad)
                     p.grad = view
+                    self._zeroed.discard(id(p))
                 else:
                     view.zero_()  # the bucket launch must not see stale values
                     outside.add(id(p))
@@ -189,6 +208,7 @@ class GradBuckets:
                     p.grad = view
             bucket.received.clear()
             bucket._unset_by_us.clear()
+            bucket._zeroed.clear()
             bucket.buffer.zero_()
 
     def __len__(self) -> int:

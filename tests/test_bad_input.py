@@ -1,0 +1,261 @@
+"""Issue 12, second part: bad input gets a clear error naming the argument (or state_dict key)
+and its accepted values, and changes nothing. Both backends where a backend is involved."""
+
+import copy
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from triton_scaler import GradBuckets, GradScaler, MinScaleReachedError, ScalePolicy, ops
+from triton_scaler.compat import apex, deepspeed, mindspore
+
+
+def _trained(backend, **kwargs):
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=3, backend=backend, **kwargs)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for overflow in (False, True, False):
+        scaler.scale(p.sum() * (math.inf if overflow else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return scaler, p, opt
+
+
+# ------------------------------------------------------------ load_state_dict
+BAD_STATE = [
+    ("growth_factor", 0.5, ValueError, r"state_dict\['growth_factor'\]"),
+    ("backoff_factor", 2.0, ValueError, r"state_dict\['backoff_factor'\]"),
+    ("growth_interval", 0, ValueError, r"state_dict\['growth_interval'\] must be an int >= 1"),
+    ("hysteresis", 0, ValueError, r"state_dict\['hysteresis'\] must be an int >= 1"),
+    ("min_scale", -1.0, ValueError, r"state_dict\['min_scale'\] must be finite and >= 0"),
+    ("min_scale", 1e9, ValueError, r"state_dict\['scale'\] must lie in \[min_scale, max_scale"),
+    ("max_scale", 2.0, ValueError, r"state_dict\['scale'\] must lie in \[min_scale, max_scale"),
+    ("scale", "abc", TypeError, r"state_dict\['scale'\] must be a real number"),
+    ("scale", math.nan, ValueError, r"state_dict\['scale'\] must be a finite number > 0"),
+    ("scale", 0.0, ValueError, r"state_dict\['scale'\] must be a finite number > 0"),
+    ("scale", math.inf, ValueError, r"state_dict\['scale'\] must be a finite number > 0"),
+    ("scale", -1.0, ValueError, r"state_dict\['scale'\] must be a finite number > 0"),
+    ("_growth_tracker", -3, ValueError, r"state_dict\['_growth_tracker'\] must be an int in"),
+    ("_growth_tracker", 1.5, TypeError, r"state_dict\['_growth_tracker'\] must be an int"),
+    ("dynamic", "no", TypeError, r"state_dict\['dynamic'\] must be a bool"),
+    ("_hysteresis_tracker", "x", TypeError, r"state_dict\['_hysteresis_tracker'\] must be an int"),
+    ("_hysteresis_tracker", 5, ValueError, r"state_dict\['_hysteresis_tracker'\] must be an int <="),
+    ("skipped_steps", -1, ValueError, r"state_dict\['skipped_steps'\]"),
+]
+
+
+@pytest.mark.parametrize("key, value, error, match", BAD_STATE)
+def test_load_state_dict_validates_every_key_before_changing_anything(backend, key, value,
+                                                                      error, match):
+    source, *_ = _trained(backend)
+    state = source.state_dict()
+    state.update({"growth_factor": 3.0, "backoff_factor": 0.25, "growth_interval": 7,
+                  "hysteresis": 2, "min_scale": 1.0, key: value})  # good changes + one bad
+    scaler, p, opt = _trained(backend)
+    before = scaler.state_dict()
+    with pytest.raises(error, match=match):
+        scaler.load_state_dict(state)
+    assert scaler.state_dict() == before
+    assert scaler.get_growth_factor() == 2.0 and scaler.policy == ScalePolicy(growth_interval=3)
+
+
+def test_missing_keys_are_named_and_unknown_keys_ignored(backend):
+    scaler, *_ = _trained(backend)
+    with pytest.raises(KeyError, match="lacks"):
+        scaler.load_state_dict({"scale": 4.0})
+    good = torch.amp.GradScaler("cpu", init_scale=8.0).state_dict()
+    scaler.load_state_dict({**good, "from_the_future": object()})
+    assert scaler.get_scale() == 8.0
+
+
+def test_setters_change_nothing_on_error(backend):
+    scaler, *_ = _trained(backend)
+    for setter, value in (("set_growth_factor", math.nan), ("set_backoff_factor", 0.0),
+                          ("set_growth_interval", 2**31)):
+        with pytest.raises((TypeError, ValueError)):
+            getattr(scaler, setter)(value)
+    assert scaler.policy == ScalePolicy(growth_interval=3)
+
+
+# ------------------------------------------------------------ constructor and calls
+@pytest.mark.parametrize("args, kwargs, error, match", [
+    (("no-such-device",), {}, ValueError, "device must be a torch device string"),
+    ((), dict(init_scale=2.0**128), ValueError, "init_scale must be a finite number > 0"),
+    ((), dict(hysteresis=2**31), ValueError, "hysteresis must be an int >= 1 and at most"),
+    ((), dict(growth_interval=2**31), ValueError, "growth_interval must be an int >= 1 and at"),
+    ((), dict(process_group="x"), TypeError, "process_group must be None or a torch.distributed"),
+    ((), dict(growth_factor="2"), TypeError, "growth_factor must be a real number"),
+    ((), dict(enabled="yes"), TypeError, "enabled must be a bool"),
+])
+def test_bad_constructor_arguments(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GradScaler(*(args or ("cpu",)), **kwargs)
+
+
+def test_numpy_scalars_are_numbers():
+    scaler = GradScaler("cpu", init_scale=np.float32(1024.0), growth_factor=np.float64(2.0),
+                        backoff_factor=np.float32(0.5), growth_interval=np.int64(10),
+                        hysteresis=np.int32(2))
+    assert scaler.policy == ScalePolicy(growth_interval=10, hysteresis=2)
+    assert type(scaler.get_growth_interval()) is int
+
+
+def test_scale_rejects_what_is_not_tensors(backend):
+    scaler = GradScaler("cpu", backend=backend)
+    for bad in ("a string", {"loss": torch.ones(())}, [torch.ones(()), "x"], 3.0):
+        with pytest.raises(TypeError, match="must be a Tensor or a"):
+            scaler.scale(bad)
+    out = scaler.scale(t for t in [torch.ones(()), torch.ones(2)])
+    assert isinstance(out, map) and [t.tolist() for t in out] == [65536.0, [65536.0] * 2]
+    assert scaler.scale([torch.ones(()), (torch.ones(()),)])[1][0].item() == 65536.0
+
+
+def test_update_new_scale_is_checked(backend):
+    scaler, *_ = _trained(backend)
+    for bad, error in ((math.nan, ValueError), (0.0, ValueError), ("1", TypeError)):
+        with pytest.raises(error, match="new_scale"):
+            scaler.update(bad)
+    scaler.update(8)  # an int is a number (torch accepts only float)
+    assert scaler.get_scale() == 8.0
+
+
+def test_unscale_without_grads_raises_only_in_step_as_torch(backend):
+    for scaler in (torch.amp.GradScaler("cpu"), GradScaler("cpu", backend=backend)):
+        p = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler.scale(p.sum())
+        scaler.unscale_(opt)  # no grads: no error here
+        with pytest.raises(AssertionError, match="No inf checks were recorded for this"):
+            scaler.step(opt)
+
+
+def test_min_scale_error_leaves_a_usable_scaler(backend):
+    scaler = GradScaler("cpu", init_scale=2.0, min_scale=2.0, raise_at_min_scale=True,
+                        backend=backend)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler.scale(p.sum() * math.inf).backward()
+    scaler.step(opt)
+    with pytest.raises(MinScaleReachedError):
+        scaler.update()
+    opt.zero_grad()
+    scaler.scale(p.sum()).backward()
+    scaler.step(opt)  # not "step() has already been called"
+    scaler.update()
+    assert scaler.skipped_steps == 1 and scaler.get_scale() == 2.0
+    assert not torch.equal(p.detach(), torch.ones(2))
+
+
+# ------------------------------------------------------------ ops: backends agree
+def test_grads_argument_forms(backend):
+    found, one = torch.zeros(()), torch.ones(())
+    with pytest.raises(TypeError, match="not a single tensor"):
+        ops.non_finite_check_and_unscale_(torch.ones(()), found, one, backend=backend)
+    with pytest.raises(TypeError, match="not a single tensor"):
+        ops.all_finite(torch.ones(()), backend=backend)
+    with pytest.raises(TypeError, match="must be a list or tuple of tensors; got int"):
+        ops.non_finite_check_(3, found, one, backend=backend)
+    ops.non_finite_check_((t for t in [torch.ones(2), torch.tensor([math.inf])]), found, one,
+                          backend=backend)
+    assert found.item() == 1.0
+    assert not ops.all_finite(iter([torch.tensor([math.nan])]), backend=backend).item()
+
+
+@pytest.mark.parametrize("alias", ["same", "transpose"])
+def test_aliased_grads_are_unscaled_once(backend, alias):
+    """torch unscales memory shared by two grads twice (a torch bug); we unscale it once."""
+    results = {}
+    for name, scaler in (("torch", torch.amp.GradScaler("cpu", init_scale=4.0)),
+                         ("ours", GradScaler("cpu", init_scale=4.0, backend=backend))):
+        p1, p2 = torch.nn.Parameter(torch.ones(3, 4)), torch.nn.Parameter(torch.ones(3, 4))
+        if alias == "transpose":
+            p2 = torch.nn.Parameter(torch.ones(4, 3))
+        opt = torch.optim.SGD([p1, p2, torch.nn.Parameter(torch.ones(5))], lr=0.1)
+        opt.param_groups[0]["params"][2].grad = torch.full((5,), 8.0)
+        scaler.scale(p1.sum())
+        p1.grad = torch.full((3, 4), 8.0)
+        p2.grad = p1.grad if alias == "same" else p1.grad.t()
+        scaler.unscale_(opt)
+        results[name] = p1.grad[0, 0].item()
+    assert results == {"torch": 0.5, "ours": 2.0}
+
+
+# ------------------------------------------------------------ buckets and pickled models
+def test_a_saved_and_loaded_model_can_get_new_buckets():
+    model = torch.nn.Linear(3, 2)
+    GradBuckets(torch.optim.SGD(model.parameters(), lr=0.1))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for copied in (loaded, copy.deepcopy(model)):
+        assert len(GradBuckets(torch.optim.SGD(copied.parameters(), lr=0.1))) == 1
+    with pytest.raises(ValueError, match="already belongs to other GradBuckets"):
+        GradBuckets(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+# ------------------------------------------------------------ peer adapters
+def test_apex_state_before_first_use_and_static_scales(backend):
+    amp = apex.Amp(backend=backend, scale_window=5)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 512.0, "unskipped": 3}})
+    assert amp.loss_scale() == 512.0
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 512.0, "unskipped": 3}}
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with amp.scale_loss(p.sum(), opt) as scaled:
+        scaled.backward()
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 512.0, "unskipped": 4}}
+    static = apex.Amp(loss_scale=2**30, backend=backend)  # apex ignores max_loss_scale here
+    assert static.loss_scale() == 2.0**30
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(scale_window=0), ValueError, "scale_window must be an int >= 1"),
+    (dict(min_loss_scale=-1.0), ValueError, "min_loss_scale must be finite and >= 0"),
+    (dict(max_loss_scale="x"), TypeError, "max_loss_scale must be a real number"),
+    (dict(init_scale=math.nan), ValueError, "init_scale must be a finite number"),
+    (dict(loss_scale="static"), ValueError, "loss_scale must be 'dynamic' or a number"),
+    (dict(loss_scale=0.0), ValueError, "loss_scale must be a finite number > 0"),
+    (dict(num_losses=0), ValueError, "num_losses must be an int >= 1"),
+    (dict(backend="gpu"), ValueError, "backend must be one of"),
+])
+def test_apex_checks_its_arguments_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        apex.Amp(**kwargs)
+
+
+def test_apex_load_state_dict_validates_before_changing(backend):
+    amp = apex.Amp(backend=backend, num_losses=2)
+    good = amp.state_dict()
+    for bad, match in (({"loss_scaler0": {"loss_scale": "x", "unskipped": 0}}, "must be a real"),
+                       ({"loss_scaler0": {"loss_scale": 8.0, "unskipped": -1}}, "unskipped"),
+                       ({"loss_scaler0": {"loss_scale": 2.0**30, "unskipped": 0}}, "must lie"),
+                       ({"loss_scaler0": {"loss_scale": 8.0}}, "'loss_scale' and 'unskipped'")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            amp.load_state_dict({**good, **bad})
+        assert amp.state_dict() == good
+
+
+@pytest.mark.parametrize("build, error, match", [
+    (lambda: mindspore.StaticLossScaler("2"), TypeError, "scale_value must be a real number"),
+    (lambda: mindspore.StaticLossScaler(True), TypeError, "scale_value must be a real number"),
+    (lambda: mindspore.DynamicLossScaleManager("x"), TypeError, "init_loss_scale must be a real"),
+    (lambda: mindspore.DynamicLossScaleManager(2.0**24, scale_window=0), ValueError,
+     "scale_window must be an int >= 1"),
+    (lambda: mindspore.FixedLossScaleManager(128.0, drop_overflow_update="no"), TypeError,
+     "drop_overflow_update must be a bool"),
+    (lambda: mindspore.FixedLossScaleManager(0.5), ValueError, "loss_scale must be a finite"),
+    (lambda: deepspeed.DynamicLossScaler(init_scale=0), ValueError,
+     "init_scale must be a finite number > 0"),
+    (lambda: deepspeed.LossScaler("abc"), TypeError, "scale must be a real number"),
+    (lambda: deepspeed.LossScaler(2**200), ValueError, "scale must be a finite number > 0"),
+    (lambda: deepspeed.DynamicLossScaler(raise_error_at_min_scale=1), TypeError,
+     "raise_error_at_min_scale must be a bool"),
+])
+def test_peer_adapters_check_early_with_their_own_names(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
