@@ -48,5 +48,6 @@ def run(rank, world_size, port, optimizer_name, backend, overflow_steps, out_dir
             scales.append(scaler.get_scale())
         torch.save({"skipped": skipped, "scales": scales},
                    os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
     finally:
         dist.destroy_process_group()

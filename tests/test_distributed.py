@@ -1,29 +1,21 @@
 """Sharded overflow agreement: 2 gloo processes on loopback, only rank 1 overflows; both ranks
 skip exactly those steps and keep identical scales, on the plain and the fused route."""
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from _dist_worker import run
+from _engines import free_port, spawn_bounded
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("optimizer_name", ["sgd_momentum", "adamw_fused"])
 def test_ranks_agree_on_overflow(tmp_path, backend, optimizer_name):
     overflow_steps = (2, 3, 7)
-    mp.start_processes(run, args=(2, _free_port(), optimizer_name, backend, overflow_steps,
-                                  str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    spawn_bounded(run, (2, free_port(), optimizer_name, backend, overflow_steps, str(tmp_path)),
+                  timeout_s=180)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     assert results[0]["skipped"] == results[1]["skipped"] == list(overflow_steps)
     assert results[0]["scales"] == results[1]["scales"]

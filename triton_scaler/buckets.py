@@ -80,6 +80,13 @@ class GradBucket:
                 unset.append(p)
             elif id(p) in self._unset_by_us:  # we set it to None; autograd made a new one
                 quiet.append((p, view))
+            elif grad._is_view():  # a view into someone else's buffer: DDP's buckets
+                raise RuntimeError(
+                    "a gradient is a view into another buffer, not into its GradBucket: DDP "
+                    "with gradient_as_bucket_view=True keeps grads in its own contiguous "
+                    "buckets and replaces ours. Do not combine the two: drop GradBuckets (the "
+                    "scaler covers DDP's grads with one chunk-table launch per (device, dtype)) "
+                    "or build DDP with gradient_as_bucket_view=False")
             else:  # not a view any more (zero_grad(set_to_none=True), or assigned)
                 detached.append((p, view))
         held = self.param_ids.difference(id(p) for p in unset) \
@@ -164,6 +171,13 @@ class GradBuckets:
                 raise TypeError(f"parameter {i} is a {type(p).__name__}, not a tensor")
             if not p.requires_grad or id(p) in seen:
                 continue
+            if type(p) not in (torch.Tensor, torch.nn.Parameter):
+                raise TypeError(
+                    f"parameter {i} is a {type(p).__name__}, not a plain tensor: GradBuckets "
+                    "needs plain dense parameters on one rank. Sharded engines (FSDP2's DTensor "
+                    "parameters, FSDP1's FlatParameter) already keep their gradients in their "
+                    "own flat buffers: use GradScaler without GradBuckets there; it unscales "
+                    "each rank's local shards with one launch per (device, dtype)")
             if p in _bucketed:
                 raise ValueError(f"parameter {i} already belongs to other GradBuckets; build "
                                  "one GradBuckets per optimizer, over disjoint parameters")

@@ -16,7 +16,8 @@ from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
 from . import ops
 from ._arguments import check_device, check_outputs, check_process_group
-from ._backend import Backend, check_backend
+from ._backend import Backend, check_backend, resolve_backend
+from ._distributed import agree_over_meshes, local_grad
 from ._state import ScalerStateMixin
 from .buckets import buckets_of
 from .policy import ScalePolicy, check_scale_value
@@ -128,7 +129,8 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         float_dtypes = ops.FLOAT_DTYPES
-        fp16 = torch.float16
+        fp16, plain = torch.float16, torch.Tensor
+        mesh_groups: dict[torch.device, tuple] = {}  # DTensor grads: agree over their mesh
         with torch.no_grad():
             covered: frozenset[int] = frozenset()
             for bucket in buckets_of(optimizer):
@@ -143,6 +145,11 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
                     grad = param.grad
                     if grad is None or (covered and id(param) in covered):
                         continue
+                    if type(grad) is not plain:  # DTensor (FSDP2): its local shard
+                        grad, on_mesh = local_grad(grad, resolve_backend(self._backend,
+                                                                         grad.device))
+                        if on_mesh:
+                            mesh_groups.setdefault(grad.device, on_mesh)
                     dtype = grad.dtype
                     if dtype == fp16 and not allow_fp16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
@@ -156,6 +163,8 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
                     ops.check_grad_dtype(f"a gradient on {device}", dtype)
                 ops.unscale_group_(grads, per_device_found_inf.get(device),
                                    per_device_inv_scale.get(device), self._backend, write)
+            if mesh_groups:
+                agree_over_meshes(per_device_found_inf._per_device_tensors, mesh_groups)
         return per_device_found_inf._per_device_tensors
 
     def _inv_scale(self) -> torch.Tensor:

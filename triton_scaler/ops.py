@@ -20,11 +20,13 @@ import torch
 
 from . import reference
 from ._backend import Backend, resolve_backend
+from ._distributed import agree_over_meshes, local_grad
 from .policy import ScalePolicy, cached_policy
 
 #: The grad dtypes the ops accept: torch's op takes these four (and no others).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _ACCEPTED = "float32, float16, bfloat16 or float64"
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def check_grad_dtype(where: str, dtype: torch.dtype) -> None:
@@ -91,15 +93,23 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
     _check_flag("inv_scale", inv_scale, torch.float32)
     if inv_scale.device != found_inf.device:
         raise ValueError(f"inv_scale is on {inv_scale.device} but found_inf is on {found_inf.device}")
-    if resolve_backend(backend, found_inf.device) == "reference" and write:
+    resolved = resolve_backend(backend, found_inf.device)
+    mesh_groups = None
+    for i, g in enumerate(grads):
+        if isinstance(g, torch.Tensor) and type(g) not in _PLAIN:  # DTensor: its local shard
+            grads[i], groups = local_grad(g, resolved)
+            mesh_groups = mesh_groups or groups
+    if resolved == "reference" and write:
         try:  # torch's op checks the grads itself: no per-tensor Python work when they are fine
             unscale_group_(grads, found_inf, inv_scale, "reference", write)
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
             _group_grads(grads, found_inf.device)  # raises the clearer error, if it finds one
             raise
-        return
-    for group in _group_grads(grads, found_inf.device):
-        unscale_group_(group, found_inf, inv_scale, backend, write)
+    else:
+        for group in _group_grads(grads, found_inf.device):
+            unscale_group_(group, found_inf, inv_scale, backend, write)
+    if mesh_groups:  # as torch's op under DTensor dispatch: agree over the mesh
+        agree_over_meshes({found_inf.device: found_inf}, {found_inf.device: mesh_groups})
 
 
 def non_finite_check_and_unscale_(

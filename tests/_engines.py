@@ -1,0 +1,192 @@
+"""Worker of test_engines.py: one rank of a 2-process gloo group that trains the same model
+under torch's distributed engines (FSDP2, DDP, FSDP1) with torch's scaler and with ours."""
+
+import datetime
+import math
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ENGINES = ("fsdp2", "fsdp2_fused", "ddp", "ddp_bucket_view", "fsdp1", "fsdp1_orig_params")
+INJECTIONS = ("loss", "grad")  # inf in rank 1's loss (spread by the engine) / in its own grad
+OVERFLOW_STEPS = (2, 5)
+STEPS = 8
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def _wrap(engine, model):
+    """The wrapped model and the optimizers (fsdp1_orig_params: a second optimizer over
+    parameters of which rank 0 holds no elements)."""
+    if engine.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2,))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        wrapped = model
+    elif engine.startswith("ddp"):
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, gradient_as_bucket_view=engine == "ddp_bucket_view")
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        wrapped = FSDP(model, device_id=torch.device("cpu"),
+                       use_orig_params=engine == "fsdp1_orig_params")
+    params = list(wrapped.parameters())
+    groups = [params[:1], params[1:]] if engine == "fsdp1_orig_params" else [params]
+    return wrapped, [torch.optim.AdamW(g, lr=1e-2, fused=engine == "fsdp2_fused")
+                     for g in groups]
+
+
+def _local(grad):
+    return grad._local_tensor if hasattr(grad, "_local_tensor") else grad
+
+
+def _full_params(engine, wrapped):
+    if engine.startswith("fsdp2"):
+        return [p.full_tensor().detach().clone() for p in wrapped.parameters()]
+    if engine.startswith("fsdp1"):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import StateDictType
+
+        with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT):
+            return [t.clone() for t in wrapped.state_dict().values()]
+    return [p.detach().clone() for p in wrapped.parameters()]
+
+
+def _scaler(engine, kind, backend):
+    kwargs = dict(init_scale=2.0**8, growth_interval=2)
+    if kind == "torch":
+        if engine.startswith("fsdp2"):  # agrees over the mesh through DTensor dispatch
+            return torch.amp.GradScaler("cpu", **kwargs)
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler("cpu", process_group=dist.group.WORLD, **kwargs)
+    from triton_scaler import GradScaler
+
+    group = None if engine.startswith("fsdp2") else dist.group.WORLD  # FSDP2: automatic
+    return GradScaler("cpu", backend=backend, process_group=group, **kwargs)
+
+
+def train(engine, kind, backend, injection, rank):
+    wrapped, optimizers = _wrap(engine, _model())
+    scaler = _scaler(engine, kind, backend)
+    gen = torch.Generator().manual_seed(rank + 1)
+    scales, skipped = [], []
+    watched = optimizers[0].param_groups[0]["params"]  # holds the grad that overflows
+    for step in range(STEPS):
+        before = [_local(p.detach()).clone() for p in watched]
+        loss = wrapped(torch.randn(4, 8, generator=gen)).square().mean()
+        overflow = rank == 1 and step in OVERFLOW_STEPS
+        if overflow and injection == "loss":
+            loss = loss * math.inf
+        scaler.scale(loss).backward()
+        if overflow and injection == "grad":
+            grad = next(_local(p.grad) for p in wrapped.parameters()
+                        if p.grad is not None and _local(p.grad).numel())
+            grad.view(-1)[-1] = math.inf
+        for opt in optimizers:
+            scaler.step(opt)
+        scaler.update()
+        for opt in optimizers:
+            opt.zero_grad()
+        after = [_local(p.detach()) for p in watched]
+        if all(torch.equal(a, b) for a, b in zip(before, after)):
+            skipped.append(step)
+        scales.append(scaler.get_scale())
+    return {"scales": scales, "skipped": skipped, "params": _full_params(engine, wrapped)}
+
+
+def run(rank, world_size, port, backend, engines, out_dir):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        results = {}
+        for engine in engines:
+            for injection in INJECTIONS:
+                for kind in ("torch", "ours"):
+                    try:
+                        results[engine, injection, kind] = train(engine, kind, backend,
+                                                                 injection, rank)
+                    except Exception as error:  # reported by the test, per engine
+                        results[engine, injection, kind] = {"error": repr(error)}
+                    dist.barrier()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_bounded(fn, args, *, nprocs=2, timeout_s=300):
+    """Spawn ``nprocs`` ranks and join them within ``timeout_s``; kill them and fail after."""
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"distributed ranks did not finish within {timeout_s} s")
+
+
+def run_buckets(rank, world_size, port, backend, out_dir):
+    """GradBuckets against the engines: refused for FSDP2's DTensor parameters and for DDP's
+    own bucket views (with advice), exact with DDP(gradient_as_bucket_view=False)."""
+    from triton_scaler import GradBuckets, GradScaler
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    results = {}
+    try:
+        fsdp2, (opt,) = _wrap("fsdp2", _model())
+        try:
+            GradBuckets(opt)
+        except TypeError as error:
+            results["fsdp2"] = str(error)
+        ddp, (opt,) = _wrap("ddp_bucket_view", _model())
+        GradBuckets(opt)
+        scaler = GradScaler("cpu", backend=backend, process_group=dist.group.WORLD)
+        scaler.scale(ddp(torch.ones(2, 8)).sum()).backward()
+        try:
+            scaler.step(opt)
+        except RuntimeError as error:
+            results["ddp_bucket_view"] = str(error)
+        dist.barrier()
+        finals = []
+        for kind in ("torch", "ours"):
+            ddp, (opt,) = _wrap("ddp", _model())
+            buckets = GradBuckets(opt) if kind == "ours" else None
+            scaler = _scaler("ddp", kind, backend)
+            gen = torch.Generator().manual_seed(rank + 1)
+            for step in range(STEPS):
+                loss = ddp(torch.randn(4, 8, generator=gen)).square().mean()
+                scaler.scale(loss * (math.inf if rank == 1 and step == 3 else 1.0)).backward()
+                scaler.step(opt)
+                scaler.update()
+                buckets.zero_() if buckets else opt.zero_grad()
+            finals.append(([p.detach().clone() for p in ddp.parameters()], scaler.get_scale()))
+        results["ddp_buckets_equal"] = finals[0][1] == finals[1][1] and all(
+            torch.equal(a, b) for a, b in zip(finals[0][0], finals[1][0]))
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,73 @@
+"""torch's distributed engines (FSDP2 with DTensor grads, DDP with and without
+gradient_as_bucket_view, FSDP1 with and without use_orig_params) × both backends, 2 gloo ranks
+on 127.0.0.1. Rank 1 overflows at some steps, either in its loss (the engine's reduction
+spreads it) or in its own grad shard after backward (only agreement saves the step). Scale
+trajectory, skipped steps and final full parameters must equal the same run with torch's scaler
+(``torch.amp.GradScaler`` for FSDP2, which agrees through DTensor dispatch; ``ShardedGradScaler``
+for DDP and FSDP1)."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from _engines import ENGINES, INJECTIONS, OVERFLOW_STEPS, free_port, run, run_buckets, spawn_bounded
+
+from triton_scaler import ops
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                 reason="needs torch.distributed with gloo")]
+
+_results: dict = {}
+
+
+def _engine_results(backend, tmp_path_factory):
+    """One spawn per backend runs every engine (spawning costs seconds); cached."""
+    if backend not in _results:
+        out = tmp_path_factory.mktemp(f"engines-{backend}")
+        spawn_bounded(run, (2, free_port(), backend, ENGINES, str(out)), timeout_s=300)
+        _results[backend] = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    return _results[backend]
+
+
+@pytest.mark.parametrize("injection", INJECTIONS)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_engine_matches_torchs_scaler(backend, engine, injection, tmp_path_factory):
+    ranks = _engine_results(backend, tmp_path_factory)
+    for rank, results in enumerate(ranks):
+        theirs, ours = results[engine, injection, "torch"], results[engine, injection, "ours"]
+        assert "error" not in theirs, f"torch's run failed on rank {rank}: {theirs}"
+        assert "error" not in ours, f"our run failed on rank {rank}: {ours}"
+        assert ours["skipped"] == theirs["skipped"] == list(OVERFLOW_STEPS), rank
+        assert ours["scales"] == theirs["scales"], rank
+        assert len(ours["params"]) == len(theirs["params"])
+        for a, b in zip(ours["params"], theirs["params"]):
+            assert torch.equal(a, b), f"rank {rank}: final parameters differ"
+    assert ranks[0][engine, injection, "ours"]["scales"] == \
+        ranks[1][engine, injection, "ours"]["scales"]
+
+
+def test_grad_buckets_with_the_engines(backend, tmp_path):
+    spawn_bounded(run_buckets, (2, free_port(), backend, str(tmp_path)), timeout_s=180)
+    for rank in (0, 1):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        assert "DTensor, not a plain tensor" in results["fsdp2"]
+        assert "use GradScaler without GradBuckets" in results["fsdp2"]
+        assert "gradient_as_bucket_view=True" in results["ddp_bucket_view"]
+        assert results["ddp_buckets_equal"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
+def test_other_tensor_subclasses_are_refused_by_the_triton_backend():
+    class Marked(torch.Tensor):
+        pass
+
+    grad = torch.ones(3).as_subclass(Marked)
+    with pytest.raises(TypeError, match="tensor subclass the Triton backend cannot take"):
+        ops.non_finite_check_and_unscale_([grad], torch.zeros(()), torch.ones(()),
+                                          backend="triton")
+    found = torch.zeros(())
+    ops.non_finite_check_and_unscale_([grad], found, torch.ones(()), backend="reference")
+    assert found.item() == 0.0

@@ -1,0 +1,49 @@
+"""Gradients of torch's distributed engines: DTensor (FSDP2, tensor parallel) grads are
+unscaled on their local shard, and found_inf is agreed over their device mesh as torch's op
+does under DTensor dispatch (``found_inf_reduce_handler``). Imports torch.distributed only
+when a tensor subclass is actually seen."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def local_grad(grad: torch.Tensor, backend: str) -> tuple[torch.Tensor, tuple[Any, ...] | None]:
+    """For a grad that is not a plain tensor: the plain tensor holding this rank's elements,
+    and the process groups over which found_inf must be agreed (a DTensor's mesh dimensions
+    that are not ``Replicate``, as torch). Other subclasses pass through unchanged on the
+    reference backend (torch's op dispatches them) and raise ``TypeError`` on the Triton
+    backend, which takes raw pointers and would read the wrong memory."""
+    if _is_dtensor(grad):
+        mesh = grad.device_mesh
+        groups = tuple(mesh.get_group(dim) for dim, placement in enumerate(grad.placements)
+                       if not placement.is_replicate())
+        return grad._local_tensor, groups
+    if backend != "reference":
+        raise TypeError(
+            f"a gradient is a {type(grad).__module__}.{type(grad).__name__}, a tensor subclass "
+            "the Triton backend cannot take (it reads raw memory); plain tensors and DTensor "
+            "(FSDP2 / tensor parallel) are supported. Use backend='reference' to let torch's "
+            "op dispatch this subclass")
+    return grad, None
+
+
+def agree_over_meshes(found_inf_by_device: dict[torch.device, torch.Tensor],
+                      groups_by_device: dict[torch.device, tuple[Any, ...]]) -> None:
+    """MAX all-reduce of each device's found_inf over the mesh groups of its DTensor grads."""
+    import torch.distributed as dist
+
+    for device, groups in groups_by_device.items():
+        found_inf = found_inf_by_device[device]
+        for group in groups:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
