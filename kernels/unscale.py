@@ -10,6 +10,10 @@ One kernel, specialised by constexpr flags:
   kernel.
 * ``FP64=True``: float64 grads, multiplied in float64 (``double(g) * double(inv_scale)``, as
   torch's op); every other dtype is multiplied in float32.
+* ``NORM=2`` / ``NORM=-1`` (read pass of ``clip_grad_norm_``): each program also stores the
+  sum of squares / the max ``|x|`` of its unscaled (dtype-rounded) values into a partial
+  buffer, accumulated in float32 (float64 for float64 grads).
+* ``CLIP=True`` (write pass): stores ``dtype(dtype(g * inv_scale) * clip_coef)``.
 
 found_inf is set to exactly 1.0 when an input element or its unscaled product (rounded to the
 gradient's dtype) is non-finite, by a single masked store from each program that saw one.
@@ -32,18 +36,38 @@ _TABLE_CACHE_SIZE = 32
 
 
 @triton.jit
+def _as_stored(y, out_ty, BF16_BITS: tl.constexpr, FP64: tl.constexpr):
+    """``y`` rounded to the gradient's dtype: (what is stored, its value in compute precision)."""
+    if BF16_BITS:
+        out = fp32_to_bf16_bits(y)
+        value = bf16_bits_to_fp32(out)
+    elif FP64:
+        out = y
+        value = y
+    else:
+        out = y.to(out_ty)
+        value = out.to(tl.float32)
+    return out, value
+
+
+@triton.jit
 def unscale_kernel(
     grad_ptr,
     table_ptr,
     n_elements,
     inv_scale_ptr,
     found_inf_ptr,
+    coef_ptr,
+    partial_ptr,
     BLOCK: tl.constexpr,
     USE_TABLE: tl.constexpr,
     WRITE: tl.constexpr,
     BF16_BITS: tl.constexpr,
     ALIGN: tl.constexpr,
     FP64: tl.constexpr,
+    ROUND: tl.constexpr,
+    NORM: tl.constexpr,
+    CLIP: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, BLOCK)
@@ -67,22 +91,27 @@ def unscale_kernel(
         y = x * tl.load(inv_scale_ptr).to(tl.float64)
     else:
         y = x * tl.load(inv_scale_ptr)
-    if WRITE:
-        if BF16_BITS:
-            out = fp32_to_bf16_bits(y)
-            checked = bf16_bits_to_fp32(out)
-        elif FP64:
-            out = y
-            checked = y
-        else:
-            out = y.to(grad_ptr.dtype.element_ty)
-            checked = out.to(tl.float32)
-        tl.store(ptrs, out, mask=mask)
-    else:
-        checked = y
-    nonfinite = (checked != checked) | (tl.abs(checked) == float("inf"))
+    if ROUND:  # the unscaled gradient as stored (rounded to its dtype)
+        out, value = _as_stored(y, grad_ptr.dtype.element_ty, BF16_BITS, FP64)
+        if CLIP:  # dtype(dtype(g * inv_scale) * clip_coef), as unscale_ + clip_grad_norm_
+            if FP64:
+                coef = tl.load(coef_ptr).to(tl.float64)
+            else:
+                coef = tl.load(coef_ptr)
+            out, value = _as_stored(value * coef, grad_ptr.dtype.element_ty, BF16_BITS, FP64)
+        if WRITE:
+            tl.store(ptrs, out, mask=mask)
+    else:  # read-only check: the product itself
+        value = y
+    nonfinite = (value != value) | (tl.abs(value) == float("inf"))
     saw = tl.max((nonfinite & mask).to(tl.int32), axis=0)
     tl.store(found_inf_ptr, 1.0, mask=saw > 0)
+    if NORM == 2:  # this program's sum of squares
+        tl.store(partial_ptr + pid, tl.sum(tl.where(mask, value * value, 0.0), axis=0))
+    if NORM == -1:  # this program's max |x|, NaN if it saw a NaN
+        peak = tl.max(tl.where(mask, tl.abs(value), 0.0), axis=0)
+        saw_nan = tl.max(((value != value) & mask).to(tl.int32), axis=0)
+        tl.store(partial_ptr + pid, tl.where(saw_nan > 0, float("nan"), peak))
 
 
 _INTERPRETED = type(unscale_kernel).__name__ == "InterpretedFunction"
@@ -174,7 +203,9 @@ def launch_unscale(
     inv_scale: torch.Tensor,
     *,
     write: bool = True,
-) -> None:
+    norm: int = 0,
+    clip_coef: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Unscale (``write=True``) or only check (``write=False``) same-device, same-dtype grads.
 
     One launch for a single tensor (flat path) or for all tensors of the list (chunk-table
@@ -182,13 +213,19 @@ def launch_unscale(
     they are; overlapping or gapped ones through contiguous copies that are written back. Grads
     that start at the same address (aliases) are processed once. ``found_inf`` and
     ``inv_scale`` are 0-d fp32 tensors on the grads' device. Asynchronous: no host sync.
+
+    ``clip_grad_norm_``'s passes: ``write=False, norm=2`` (or ``-1`` for the inf norm) also
+    returns the sum of squares (max ``|x|``) of the unscaled grads as a 0-d float32 (float64
+    for float64 grads) device tensor; ``write=True, clip_coef=c`` stores
+    ``dtype(dtype(g * inv_scale) * c)``.
     """
+    fp64 = bool(grads) and grads[0].dtype == torch.float64
     numels = tuple(map(torch.Tensor.numel, grads))  # C-level passes: cheap per grad
     if 0 in numels:
         grads = [g for g, n in zip(grads, numels) if n]
         numels = tuple(n for n in numels if n)
     if not grads:
-        return
+        return None if not norm else found_inf.new_zeros((), dtype=_partial_dtype(fp64))
     copies = []
     dense = grads
     if not all(map(torch.Tensor.is_contiguous, grads)):  # rare: Python work per such grad
@@ -201,23 +238,27 @@ def launch_unscale(
             dense.append(flat)
         numels = tuple(map(torch.Tensor.numel, dense))
     block = _block()
-    bf16_bits = dense[0].dtype == torch.bfloat16 and is_interpreting()
-    fp64 = dense[0].dtype == torch.float64
-    options = {} if is_interpreting() else {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
     if len(dense) == 1:
-        n = dense[0].numel()
-        unscale_kernel[(triton.cdiv(n, block),)](
-            _as_kernel_view(dense[0]), found_inf, n, inv_scale, found_inf,
-            BLOCK=block, USE_TABLE=False, WRITE=write, BF16_BITS=bf16_bits, ALIGN=1, FP64=fp64,
-            **options,
-        )
+        grid, table, n, align = triton.cdiv(numels[0], block), found_inf, numels[0], 1
     else:
         table, align = chunk_table(dense, numels, block)
-        unscale_kernel[(table.shape[0],)](
-            _as_kernel_view(dense[0]), table, 0, inv_scale, found_inf,
-            BLOCK=block, USE_TABLE=True, WRITE=write, BF16_BITS=bf16_bits, ALIGN=align,
-            FP64=fp64, **options,
-        )
+        grid, n = table.shape[0], 0
+    partials = found_inf.new_empty(grid, dtype=_partial_dtype(fp64)) if norm else found_inf
+    options = {} if is_interpreting() else {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
+    unscale_kernel[(grid,)](
+        _as_kernel_view(dense[0]), table, n, inv_scale, found_inf,
+        found_inf if clip_coef is None else clip_coef, partials,
+        BLOCK=block, USE_TABLE=len(dense) > 1, WRITE=write,
+        BF16_BITS=dense[0].dtype == torch.bfloat16 and is_interpreting(), ALIGN=align,
+        FP64=fp64, ROUND=write or norm != 0, NORM=norm, CLIP=clip_coef is not None, **options,
+    )
     if write:
         for g, c in copies:
             g.copy_(c)
+    if norm:
+        return partials.sum() if norm == 2 else partials.max()
+    return None
+
+
+def _partial_dtype(fp64: bool) -> torch.dtype:
+    return torch.float64 if fp64 else torch.float32

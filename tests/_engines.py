@@ -190,3 +190,31 @@ def run_buckets(rank, world_size, port, backend, out_dir):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def run_clip(rank, world_size, port, backend, out_dir):
+    """clip_grad_norm_ with process_group: each rank holds a different gradient shard; the
+    returned norm is the global one, and every rank clips by it."""
+    from triton_scaler import GradScaler
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        results = {}
+        for norm_type in (2.0, math.inf):
+            gen = torch.Generator().manual_seed(rank + 10)
+            params = [torch.nn.Parameter(torch.zeros(n)) for n in (5 + rank, 1000 * (rank + 1))]
+            opt = torch.optim.SGD(params, lr=0.1)
+            scaler = GradScaler("cpu", init_scale=4.0, backend=backend,
+                                process_group=dist.group.WORLD)
+            targets = [torch.randn(p.shape, generator=gen) * (rank + 1) for p in params]
+            scaler.scale(sum((p * t).sum() for p, t in zip(params, targets))).backward()
+            total = scaler.clip_grad_norm_(opt, 1.0, norm_type)
+            results[norm_type] = {"total": total, "targets": targets,
+                                  "grads": [p.grad.clone() for p in params]}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

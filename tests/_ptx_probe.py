@@ -49,17 +49,29 @@ def main():
                              "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32",
                              "BLOCK": "constexpr", "USE_TABLE": "constexpr",
                              "WRITE": "constexpr", "BF16_BITS": "constexpr",
-                             "ALIGN": "constexpr", "FP64": "constexpr"}
+                             "ALIGN": "constexpr", "FP64": "constexpr",
+                             "coef_ptr": "*fp32", "partial_ptr": "*fp32" if dtype != "fp64"
+                             else "*fp64", "ROUND": "constexpr", "NORM": "constexpr",
+                             "CLIP": "constexpr"}
                 elems_16b = 16 // {"fp32": 4, "fp16": 2, "bf16": 2, "fp64": 8}[dtype]
                 constexprs = {"BLOCK": GPU_BLOCK, "USE_TABLE": use_table, "WRITE": write,
                               "BF16_BITS": False, "ALIGN": elems_16b if use_table else 1,
-                              "FP64": dtype == "fp64"}
+                              "FP64": dtype == "fp64", "ROUND": write, "NORM": 0,
+                              "CLIP": False}
                 # what triton's launcher specialises for 16-byte aligned pointers / sizes
                 attrs = {(names.index("grad_ptr"),): [["tt.divisibility", 16]],
                          (names.index("n_elements"),): [["tt.divisibility", 16]]}
                 key = f"unscale/{dtype}/{'table' if use_table else 'flat'}/" \
                       f"{'write' if write else 'check'}"
                 facts[key] = _compile(unscale_kernel, signature, constexprs, attrs, GPU_NUM_WARPS)
+                if dtype in ("fp32", "bf16") and use_table:  # clip_grad_norm_'s two passes
+                    for name, extra in (("norm2", dict(WRITE=False, ROUND=True, NORM=2)),
+                                        ("norminf", dict(WRITE=False, ROUND=True, NORM=-1)),
+                                        ("clip", dict(WRITE=True, ROUND=True, CLIP=True))):
+                        if write == extra["WRITE"]:
+                            facts[f"clip/{dtype}/table/{name}"] = _compile(
+                                unscale_kernel, signature, {**constexprs, **extra}, attrs,
+                                GPU_NUM_WARPS)
     for hysteresis in (False, True):
         signature = {"scale_ptr": "*fp32", "growth_tracker_ptr": "*i32",
                      "found_inf_ptr": "*fp32", "hysteresis_tracker_ptr": "*i32",

@@ -23,7 +23,7 @@ def ptx_facts():
 
 
 def test_every_variant_compiles(ptx_facts):
-    assert len(ptx_facts) == 4 * 2 * 2 + 2
+    assert len(ptx_facts) == 4 * 2 * 2 + 2 + 2 * 3
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -61,7 +61,15 @@ def test_fp64_grads_multiply_in_fp64(ptx_facts, mode):
     assert "cvt.rn.f32.f64" not in ops, ops  # never narrowed to fp32
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["norm2", "norminf", "clip"])
+def test_clip_passes_use_vector_loads(ptx_facts, dtype, name):
+    ops = ptx_facts[f"clip/{dtype}/table/{name}"]
+    assert "ld.global.v4.b32" in ops, ops
+    assert ("st.global.v4.b32" in ops) == (name == "clip"), ops
+
+
 def test_unscale_offsets_are_64_bit(ptx_facts):
     for key, ops in ptx_facts.items():
-        if key.startswith("unscale/"):
+        if key.startswith(("unscale/", "clip/")):
             assert "TTIR:program_id_widened_to_i64" in ops, key

@@ -17,6 +17,7 @@ from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 from . import ops
 from ._arguments import check_device, check_outputs, check_process_group
 from ._backend import Backend, check_backend, resolve_backend
+from ._clip import ClipMixin
 from ._distributed import agree_over_meshes, local_grad
 from ._state import ScalerStateMixin
 from .buckets import buckets_of
@@ -43,7 +44,7 @@ class MinScaleReachedError(RuntimeError):
     ``raise_at_min_scale=True`` (DeepSpeed's ``raise_error_at_min_scale``)."""
 
 
-class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
+class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
     """Drop-in replacement for :class:`torch.amp.GradScaler`.
 
     The positional arguments and defaults are torch's; with them the scale trajectory, growth
@@ -127,45 +128,54 @@ class GradScaler(ScalerStateMixin, torch.amp.GradScaler):
         per group and one per gradient bucket. Returns found_inf per device."""
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-        float_dtypes = ops.FLOAT_DTYPES
-        fp16, plain = torch.float16, torch.Tensor
-        mesh_groups: dict[torch.device, tuple] = {}  # DTensor grads: agree over their mesh
         with torch.no_grad():
-            covered: frozenset[int] = frozenset()
-            for bucket in buckets_of(optimizer):
-                if bucket.dtype == fp16 and not allow_fp16:
-                    raise ValueError("Attempting to unscale FP16 gradients.")
-                attached = bucket.attach_grads()
-                covered = attached if not covered else covered | attached
-                ops.unscale_group_([bucket.buffer], per_device_found_inf.get(bucket.device),
-                                   per_device_inv_scale.get(bucket.device), self._backend, write)
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    grad = param.grad
-                    if grad is None or (covered and id(param) in covered):
-                        continue
-                    if type(grad) is not plain:  # DTensor (FSDP2): its local shard
-                        grad, on_mesh = local_grad(grad, resolve_backend(self._backend,
-                                                                         grad.device))
-                        if on_mesh:
-                            mesh_groups.setdefault(grad.device, on_mesh)
-                    dtype = grad.dtype
-                    if dtype == fp16 and not allow_fp16:
-                        raise ValueError("Attempting to unscale FP16 gradients.")
-                    if grad.is_sparse:
-                        if dtype is fp16:
-                            param.grad = grad = grad.coalesce()
-                        grad = grad._values()
-                    groups[grad.device, dtype].append(grad)
-            for (device, dtype), grads in groups.items():
-                if dtype not in float_dtypes:
-                    ops.check_grad_dtype(f"a gradient on {device}", dtype)
+            groups, mesh_groups = self._grad_groups(optimizer, allow_fp16)
+            for device, grads in groups:
                 ops.unscale_group_(grads, per_device_found_inf.get(device),
                                    per_device_inv_scale.get(device), self._backend, write)
             if mesh_groups:
                 agree_over_meshes(per_device_found_inf._per_device_tensors, mesh_groups)
         return per_device_found_inf._per_device_tensors
+
+    def _grad_groups(self, optimizer, allow_fp16):
+        """``([(device, grads of one dtype)], mesh groups by device)``: each gradient bucket's
+        buffer as its own group, then the other grads grouped by (device, dtype) as torch.
+        DTensor grads (FSDP2) are their local shards; their mesh is returned for agreement."""
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        float_dtypes = ops.FLOAT_DTYPES
+        fp16, plain = torch.float16, torch.Tensor
+        mesh_groups: dict[torch.device, tuple] = {}
+        flat = []
+        covered: frozenset[int] = frozenset()
+        for bucket in buckets_of(optimizer):
+            if bucket.dtype == fp16 and not allow_fp16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            attached = bucket.attach_grads()
+            covered = attached if not covered else covered | attached
+            flat.append((bucket.device, [bucket.buffer]))
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None or (covered and id(param) in covered):
+                    continue
+                if type(grad) is not plain:  # DTensor (FSDP2): its local shard
+                    grad, on_mesh = local_grad(grad, resolve_backend(self._backend,
+                                                                     grad.device))
+                    if on_mesh:
+                        mesh_groups.setdefault(grad.device, on_mesh)
+                dtype = grad.dtype
+                if dtype == fp16 and not allow_fp16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                if grad.is_sparse:
+                    if dtype is fp16:
+                        param.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                groups[grad.device, dtype].append(grad)
+        for (device, dtype), grads in groups.items():
+            if dtype not in float_dtypes:
+                ops.check_grad_dtype(f"a gradient on {device}", dtype)
+            flat.append((device, grads))
+        return flat, mesh_groups
 
     def _inv_scale(self) -> torch.Tensor:
         return self._scale.double().reciprocal().float()

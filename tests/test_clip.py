@@ -1,0 +1,180 @@
+"""GradScaler.clip_grad_norm_ against unscale_ + torch.nn.utils.clip_grad_norm_ and an fp64
+oracle, on both backends (Triton through the interpreter)."""
+
+import math
+
+import pytest
+import torch
+from _util import assert_all_same
+
+from triton_scaler import GradBuckets, GradScaler
+
+SCALE = 2.0**10
+
+
+def _setup(backend, sizes, dtype, *, buckets=False, seed=0, plant=None):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in sizes]
+    opt = torch.optim.SGD(params, lr=0.1)
+    if buckets:
+        GradBuckets(opt)
+    scaler = GradScaler("cpu", init_scale=SCALE, backend=backend)
+    targets = [(torch.randn(p.shape, generator=gen) * 3).to(dtype) for p in params]
+    loss = sum((p.float() * t.float()).sum() for p, t in zip(params, targets))
+    scaler.scale(loss).backward()  # grads: t * SCALE, exact (a power of two)
+    if plant is not None:
+        with torch.no_grad():
+            params[-1].grad.view(-1)[-1] = plant
+    return params, opt, scaler
+
+
+def _oracle_norm(scaled_grads, norm_type):
+    """fp64 norm of the unscaled grads as torch's unscale_ stores them."""
+    unscaled = [g.clone() for g in scaled_grads]
+    inv = torch.full((), SCALE).double().reciprocal().float()
+    for g in unscaled:
+        torch._amp_foreach_non_finite_check_and_unscale_([g], torch.zeros(()), inv)
+    flat = torch.cat([g.double().reshape(-1) for g in unscaled])
+    return torch.linalg.vector_norm(flat, norm_type).item(), unscaled
+
+
+CASES = [((7, 1, 4099, 33), torch.float32), ((7, 1, 4099, 33), torch.bfloat16),
+         ((1,), torch.float32), ((300,) + tuple(range(1, 300)), torch.float32)]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("sizes, dtype", CASES, ids=["fp32", "bf16", "size1", "300tensors"])
+@pytest.mark.parametrize("buckets", [False, True])
+def test_norm_and_grads_match_the_formula(backend, norm_type, sizes, dtype, buckets):
+    params, opt, scaler = _setup(backend, sizes, dtype, buckets=buckets)
+    scaled = [p.grad.clone() for p in params]
+    max_norm = 0.5
+    total = scaler.clip_grad_norm_(opt, max_norm, norm_type)
+    assert total.dtype == torch.float32 and total.shape == () and total.device.type == "cpu"
+    expected_norm, unscaled = _oracle_norm(scaled, norm_type)
+    assert abs(total.item() - expected_norm) <= 1e-5 * expected_norm
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(unscaled, coef)  # dtype(dtype(g * inv_scale) * clip_coef)
+    assert_all_same([p.grad for p in params], unscaled)
+
+
+def test_bf16_norm_is_accumulated_in_fp32(backend):
+    params, opt, scaler = _setup(backend, (100_003,), torch.bfloat16)
+    expected, _ = _oracle_norm([p.grad.clone() for p in params], 2.0)
+    total = scaler.clip_grad_norm_(opt, 1e9)
+    assert abs(total.item() - expected) <= 1e-5 * expected  # a bf16 result would miss this
+
+
+@pytest.mark.parametrize("plant", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("fused", [False, True])
+def test_overflow_skips_the_step_and_backs_off(backend, plant, fused):
+    params, _, scaler = _setup(backend, (5, 9), torch.float32, plant=plant)
+    opt = torch.optim.AdamW(params, lr=0.1, fused=fused)
+    before = [p.detach().clone() for p in params]
+    total = scaler.clip_grad_norm_(opt, 1.0)
+    assert not total.isfinite().item()
+    scaler.step(opt)
+    scaler.update()
+    assert_all_same([p.detach() for p in params], before)
+    assert scaler.get_scale() == SCALE / 2 and scaler.skipped_steps == 1
+
+
+def test_counts_as_unscale(backend):
+    params, opt, scaler = _setup(backend, (5,), torch.float32)
+    scaler.clip_grad_norm_(opt, 1.0)
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) is being called after step"):
+        scaler.clip_grad_norm_(opt, 1.0)
+
+
+def _train(scaler, clip, optimizer="adamw", steps=12, overflow_at=(3, 4, 9)):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 33), torch.nn.GELU(), torch.nn.Linear(33, 5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=optimizer == "adamw_fused")
+    gen = torch.Generator().manual_seed(1)
+    trajectory, norms = [], []
+    for step in range(steps):
+        loss = model(torch.randn(9, 12, generator=gen)).square().mean() * 50
+        scaler.scale(loss * (math.inf if step in overflow_at else 1.0)).backward()
+        norms.append(clip(scaler, opt, model).item())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        trajectory.append((scaler.get_scale(), scaler._get_growth_tracker()))
+    return trajectory, norms, [p.detach().clone() for p in model.parameters()]
+
+
+def _torch_clip(scaler, opt, model, max_norm):
+    scaler.unscale_(opt)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+@pytest.mark.parametrize("max_norm", [0.05, 1e9])
+def test_training_matches_unscale_then_clip(backend, optimizer, max_norm):
+    kwargs = dict(init_scale=2.0**12, growth_interval=3)
+    expected = _train(torch.amp.GradScaler("cpu", **kwargs),
+                      lambda s, o, m: _torch_clip(s, o, m, max_norm), optimizer)
+    actual = _train(GradScaler("cpu", backend=backend, **kwargs),
+                    lambda s, o, m: s.clip_grad_norm_(o, max_norm), optimizer)
+    assert actual[0] == expected[0]  # scale trajectory and skipped steps
+    for ours, theirs in zip(actual[1], expected[1]):
+        assert (math.isfinite(ours), math.isfinite(theirs)) == (True, True) or \
+            not math.isfinite(ours) and not math.isfinite(theirs)
+        if math.isfinite(theirs):
+            assert abs(ours - theirs) <= 1e-5 * theirs
+    if max_norm == 1e9:  # no clipping: the coefficient is 1 and parameters are bit-equal
+        assert_all_same(actual[2], expected[2])
+    else:  # clipped by a norm that may differ in the last bit from torch's summation order
+        for a, b in zip(actual[2], expected[2]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_other_norms_and_disabled_scaler_equal_torch(backend):
+    for norm_type in (1.0, 3.0):
+        params, opt, scaler = _setup(backend, (7, 40), torch.float32)
+        ref_params, ref_opt, ref_scaler = _setup(backend, (7, 40), torch.float32)
+        total = scaler.clip_grad_norm_(opt, 0.5, norm_type)
+        ref_scaler.unscale_(ref_opt)
+        expected = torch.nn.utils.clip_grad_norm_(ref_params, 0.5, norm_type)
+        assert torch.equal(total, expected.float())
+        assert_all_same([p.grad for p in params], [p.grad for p in ref_params])
+    params, opt, _ = _setup(backend, (7, 40), torch.float32)
+    ref_params, _, _ = _setup(backend, (7, 40), torch.float32)
+    total = GradScaler("cpu", enabled=False, backend=backend).clip_grad_norm_(opt, 0.5)
+    assert torch.equal(total, torch.nn.utils.clip_grad_norm_(ref_params, 0.5))
+    assert_all_same([p.grad for p in params], [p.grad for p in ref_params])
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(max_norm=-1.0), ValueError, "max_norm must be a number >= 0"),
+    (dict(max_norm="1"), TypeError, "max_norm must be a number"),
+    (dict(max_norm=True), TypeError, "max_norm must be a number"),
+    (dict(max_norm=1.0, norm_type=0.0), ValueError, "norm_type must be > 0"),
+    (dict(max_norm=1.0, norm_type=-2), ValueError, "norm_type must be > 0"),
+    (dict(max_norm=1.0, error_if_nonfinite="yes"), TypeError, "error_if_nonfinite must be"),
+])
+def test_bad_arguments(backend, kwargs, error, match):
+    params, opt, scaler = _setup(backend, (5,), torch.float32)
+    before = [p.grad.clone() for p in params]
+    with pytest.raises(error, match=match):
+        scaler.clip_grad_norm_(opt, **kwargs)
+    assert_all_same([p.grad for p in params], before)
+
+
+def test_no_grads_and_fp16_and_error_if_nonfinite(backend):
+    scaler = GradScaler("cpu", backend=backend)
+    scaler.scale(torch.ones(()))
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.raises(ValueError, match="holds no gradients"):
+        scaler.clip_grad_norm_(opt, 1.0)
+    params, opt16, scaler = _setup(backend, (5,), torch.float16)
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients."):
+        scaler.clip_grad_norm_(opt16, 1.0)
+    params, opt, scaler = _setup(backend, (5,), torch.float32, plant=math.inf)
+    with pytest.raises(RuntimeError, match="is non-finite, so it cannot be clipped"):
+        scaler.clip_grad_norm_(opt, 1.0, error_if_nonfinite=True)

@@ -1,0 +1,151 @@
+"""``GradScaler.clip_grad_norm_``: unscale and clip in one read pass and one read + write pass.
+
+Same result as ``scaler.unscale_(optimizer)`` followed by ``torch.nn.utils.clip_grad_norm_``
+over the optimizer's grads: the total norm is that of the unscaled grads (accumulated in float32,
+float64 for float64 grads, also for bf16 / fp16 grads), ``clip_coef = clamp(max_norm /
+(total_norm + 1e-6), max=1)`` is formed on the device, and each grad ends as
+``dtype(dtype(g * inv_scale) * clip_coef)``. Triton backend: a read pass (found_inf and
+per-program partial sums) and a write pass; reference backend: torch's ops.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
+
+from . import reference
+from ._backend import resolve_backend
+from ._distributed import agree_over_meshes
+
+
+def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, float]:
+    """``(max_norm, norm_type)`` as floats; ``TypeError`` / ``ValueError`` naming them."""
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+            raise TypeError(f"{name} must be a number; got {type(value).__name__} {value!r}")
+    norm = math.inf if isinstance(norm_type, str) and norm_type.lower() == "inf" else norm_type
+    if isinstance(max_norm, str) or isinstance(norm, str):
+        raise TypeError(f"max_norm must be a number and norm_type a number or 'inf'; got "
+                        f"max_norm={max_norm!r}, norm_type={norm_type!r}")
+    if not float(max_norm) >= 0.0:
+        raise ValueError(f"max_norm must be a number >= 0 (inf: no clipping); got {max_norm!r}")
+    if not float(norm) > 0.0:
+        raise ValueError(f"norm_type must be > 0 (2.0, inf, or any p > 0); got {norm_type!r}")
+    return float(max_norm), float(norm)
+
+
+def _partial_norm(grads, found_inf, inv_scale, norm_type: float, backend: str) -> torch.Tensor:
+    """Unscale (reference: in place now; Triton: a read pass) and return the sum of squares
+    (norm 2) or max |x| (inf) of the unscaled grads of one device and dtype."""
+    if resolve_backend(backend, found_inf.device) == "triton":
+        from triton_scaler.kernels import launch_unscale
+
+        return launch_unscale(grads, found_inf, inv_scale, write=False,
+                              norm=2 if norm_type == 2.0 else -1)
+    reference.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    grads = [g for g in grads if g.numel()]
+    wide = torch.float64 if grads and grads[0].dtype == torch.float64 else torch.float32
+    if not grads:
+        return found_inf.new_zeros((), dtype=wide)
+    norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=wide))
+    return norms.square().sum() if norm_type == 2.0 else norms.max()
+
+
+def _apply_coef(grads, found_inf, inv_scale, coef, backend: str) -> None:
+    """Write pass: ``dtype(dtype(g * inv_scale) * coef)`` (reference: grads already unscaled)."""
+    if resolve_backend(backend, coef.device) == "triton":
+        from triton_scaler.kernels import launch_unscale
+
+        launch_unscale(grads, found_inf, inv_scale, write=True, clip_coef=coef)
+    else:
+        torch._foreach_mul_(grads, coef)
+
+
+class ClipMixin:
+    """``clip_grad_norm_`` of :class:`triton_scaler.GradScaler`."""
+
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,
+                        norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Unscale the optimizer's grads and clip them by their total norm, in one read pass
+        and one read + write pass (torch's ``unscale_`` + ``clip_grad_norm_`` make five).
+
+        Counts as this iteration's :meth:`unscale_` for ``optimizer`` (``step`` skips on
+        overflow; a later ``unscale_`` raises, as torch). Returns the total norm of the
+        unscaled grads as a 0-d float32 tensor on the scale's device, accumulated in float32
+        (also for bf16 / fp16 grads). ``norm_type`` 2 and ``inf`` run fused; other ``p > 0`` run
+        as ``unscale_`` + torch's ``clip_grad_norm_``. With ``process_group`` (and over a DTensor
+        mesh) the norm is the global one: partial sums are all-reduced before the clip
+        coefficient is formed. No host sync, except ``error_if_nonfinite=True`` (one read).
+        A disabled scaler clips with torch's ``clip_grad_norm_``.
+        """
+        max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
+        if not isinstance(error_if_nonfinite, bool):
+            raise TypeError(f"error_if_nonfinite must be a bool; got {error_if_nonfinite!r}")
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not params:
+            raise ValueError("clip_grad_norm_: the optimizer holds no gradients (every "
+                             "parameter's .grad is None); call it after backward()")
+        if not self._enabled or norm_type not in (2.0, math.inf):
+            if self._enabled:
+                self.unscale_(optimizer)
+            total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                                   error_if_nonfinite)
+            return total.float() if not self._enabled else total.float().to(self._scale.device)
+        self._check_scale_growth_tracker("clip_grad_norm_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        total, found_per_device = self._fused_clip(optimizer, max_norm, norm_type)
+        state["found_inf_per_device"] = found_per_device
+        state["stage"] = OptState.UNSCALED
+        self._agree_found_inf(state, start_host_copy=True)
+        if error_if_nonfinite and not bool(total.isfinite().item()):  # the documented read
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the "
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        return total
+
+    def _fused_clip(self, optimizer, max_norm: float, norm_type: float):
+        device = self._scale.device
+        found_for = _MultiDeviceReplicator(torch.zeros((), dtype=torch.float32, device=device))
+        inv_for = _MultiDeviceReplicator(self._inv_scale())
+        with torch.no_grad():
+            groups, mesh_groups = self._grad_groups(optimizer, False)
+            partials = [_partial_norm(grads, found_for.get(dev), inv_for.get(dev), norm_type,
+                                      self._backend).to(device, torch.float64)
+                        for dev, grads in groups]
+            if not partials:
+                found_for.get(device)
+            combined = (torch.zeros((), dtype=torch.float64, device=device) if not partials
+                        else torch.stack(partials).sum() if norm_type == 2.0
+                        else torch.stack(partials).max())
+            self._agree_norm(combined, mesh_groups, norm_type)
+            total = (combined.sqrt() if norm_type == 2.0 else combined).float()
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for dev, grads in groups:
+                _apply_coef(grads, found_for.get(dev), inv_for.get(dev), coef.to(dev),
+                            self._backend)
+            if mesh_groups:
+                agree_over_meshes(found_for._per_device_tensors, mesh_groups)
+        return total, found_for._per_device_tensors
+
+    def _agree_norm(self, combined: torch.Tensor, mesh_groups: dict[Any, tuple],
+                    norm_type: float) -> None:
+        """Sum of squares (max for inf) over the DTensor mesh and ``process_group``."""
+        groups = [g for gs in mesh_groups.values() for g in gs]
+        if self._process_group is not None:
+            groups.append(self._process_group)
+        if groups:
+            import torch.distributed as dist
+
+            op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
+            for group in groups:
+                dist.all_reduce(combined, op=op, group=group)
