@@ -38,21 +38,21 @@ def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, fl
     return float(max_norm), float(norm)
 
 
-def _partial_norm(grads, found_inf, inv_scale, norm_type: float, backend: str) -> torch.Tensor:
-    """Unscale (reference: in place now; Triton: a read pass) and return the sum of squares
-    (norm 2) or max |x| (inf) of the unscaled grads of one device and dtype."""
+def _group_norms(grads, found_inf, inv_scale, norm_type: float, backend: str) -> list:
+    """Unscale (reference: in place now; Triton: a read pass) and return norms of the
+    unscaled grads of one device and dtype, in float32 (float64 for float64 grads): per tensor
+    on the reference path (torch's ``_foreach_norm``, as torch's clip), one for the whole group
+    on the Triton path (from the kernel's per-program partial sums)."""
     if resolve_backend(backend, found_inf.device) == "triton":
         from triton_scaler.kernels import launch_unscale
 
-        return launch_unscale(grads, found_inf, inv_scale, write=False,
-                              norm=2 if norm_type == 2.0 else -1)
+        partial = launch_unscale(grads, found_inf, inv_scale, write=False,
+                                 norm=2 if norm_type == 2.0 else -1)
+        return [partial.sqrt() if norm_type == 2.0 else partial]
     reference.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
     grads = [g for g in grads if g.numel()]
     wide = torch.float64 if grads and grads[0].dtype == torch.float64 else torch.float32
-    if not grads:
-        return found_inf.new_zeros((), dtype=wide)
-    norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=wide))
-    return norms.square().sum() if norm_type == 2.0 else norms.max()
+    return list(torch._foreach_norm(grads, norm_type, dtype=wide)) if grads else []
 
 
 def _apply_coef(grads, found_inf, inv_scale, coef, backend: str) -> None:
@@ -119,16 +119,18 @@ class ClipMixin:
         inv_for = _MultiDeviceReplicator(self._inv_scale())
         with torch.no_grad():
             groups, mesh_groups = self._grad_groups(optimizer, False)
-            partials = [_partial_norm(grads, found_for.get(dev), inv_for.get(dev), norm_type,
-                                      self._backend).to(device, torch.float64)
-                        for dev, grads in groups]
-            if not partials:
+            norms = [n.to(device) for dev, grads in groups
+                     for n in _group_norms(grads, found_for.get(dev), inv_for.get(dev),
+                                           norm_type, self._backend)]
+            if not norms:
                 found_for.get(device)
-            combined = (torch.zeros((), dtype=torch.float64, device=device) if not partials
-                        else torch.stack(partials).sum() if norm_type == 2.0
-                        else torch.stack(partials).max())
-            self._agree_norm(combined, mesh_groups, norm_type)
-            total = (combined.sqrt() if norm_type == 2.0 else combined).float()
+            wide = torch.float64 if any(n.dtype == torch.float64 for n in norms) \
+                else torch.float32
+            # torch's clip: the norm of the per-tensor norms (bit-identical on the reference
+            # path for float32 grads), then agreed over the mesh / process group
+            total = (torch.linalg.vector_norm(torch.stack([n.to(wide) for n in norms]), norm_type)
+                     if norms else torch.zeros((), dtype=wide, device=device))
+            total = self._agree_norm(total, mesh_groups, norm_type).float()
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for dev, grads in groups:
                 _apply_coef(grads, found_for.get(dev), inv_for.get(dev), coef.to(dev),
@@ -137,15 +139,19 @@ class ClipMixin:
                 agree_over_meshes(found_for._per_device_tensors, mesh_groups)
         return total, found_for._per_device_tensors
 
-    def _agree_norm(self, combined: torch.Tensor, mesh_groups: dict[Any, tuple],
-                    norm_type: float) -> None:
-        """Sum of squares (max for inf) over the DTensor mesh and ``process_group``."""
+    def _agree_norm(self, total: torch.Tensor, mesh_groups: dict[Any, tuple],
+                    norm_type: float) -> torch.Tensor:
+        """The global norm: squares summed (max for inf) over the DTensor mesh and
+        ``process_group``, in float64."""
         groups = [g for gs in mesh_groups.values() for g in gs]
         if self._process_group is not None:
             groups.append(self._process_group)
-        if groups:
-            import torch.distributed as dist
+        if not groups:
+            return total
+        import torch.distributed as dist
 
-            op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
-            for group in groups:
-                dist.all_reduce(combined, op=op, group=group)
+        combined = total.double().square() if norm_type == 2.0 else total.double()
+        op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
+        for group in groups:
+            dist.all_reduce(combined, op=op, group=group)
+        return combined.sqrt() if norm_type == 2.0 else combined
