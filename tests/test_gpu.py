@@ -169,3 +169,35 @@ def test_cuda_graph_capture_and_replay(cuda):
     graph.replay()
     graph.replay()
     assert scaler.get_scale() == 4096.0 * 4.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("sizes", [[1_000_003], [7, 1, 4097, 300, 65536]])
+def test_clip_grad_norm_cuda(cuda, dtype, norm_type, sizes):
+    """The fused clip on the GPU: norm within 1e-5 of an fp64 oracle, grads bit-equal to
+    dtype(dtype(g * inv_scale) * coef) given the returned norm, and no host sync."""
+    params = [torch.nn.Parameter(torch.zeros(n, device=cuda, dtype=dtype)) for n in sizes]
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = GradScaler("cuda", init_scale=1024.0)
+    scaler.scale(torch.ones((), device=cuda))
+    for p, g in zip(params, _grads(sizes, dtype, cuda)):
+        p.grad = g
+    scaled = [p.grad.clone() for p in params]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        total = scaler.clip_grad_norm_(opt, 0.5, norm_type)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    inv = torch.tensor(1024.0, device=cuda).double().reciprocal().float()
+    unscaled = [g.clone() for g in scaled]
+    for g in unscaled:
+        g.copy_((g.to(torch.float64 if dtype == torch.float64 else torch.float32) * inv)
+                .to(dtype))
+    expected = torch.linalg.vector_norm(torch.cat([g.double() for g in unscaled]), norm_type)
+    assert abs(total.item() - expected.item()) <= 1e-5 * expected.item()
+    coef = torch.clamp(0.5 / (total + 1e-6), max=1.0)
+    for g in unscaled:
+        g.copy_((g.to(torch.float64 if dtype == torch.float64 else torch.float32) * coef)
+                .to(dtype))
+    assert_all_same([p.grad for p in params], unscaled)

@@ -16,11 +16,11 @@ from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
 from . import ops
 from ._arguments import check_device, check_outputs, check_process_group
-from ._backend import Backend, check_backend, resolve_backend
+from ._backend import Backend, check_backend
 from ._clip import ClipMixin
-from ._distributed import agree_over_meshes, local_grad
+from ._distributed import agree_over_meshes
+from ._grads import grad_groups
 from ._state import ScalerStateMixin
-from .buckets import buckets_of
 from .policy import ScalePolicy, check_scale_value
 
 
@@ -138,44 +138,7 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         return per_device_found_inf._per_device_tensors
 
     def _grad_groups(self, optimizer, allow_fp16):
-        """``([(device, grads of one dtype)], mesh groups by device)``: each gradient bucket's
-        buffer as its own group, then the other grads grouped by (device, dtype) as torch.
-        DTensor grads (FSDP2) are their local shards; their mesh is returned for agreement."""
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-        float_dtypes = ops.FLOAT_DTYPES
-        fp16, plain = torch.float16, torch.Tensor
-        mesh_groups: dict[torch.device, tuple] = {}
-        flat = []
-        covered: frozenset[int] = frozenset()
-        for bucket in buckets_of(optimizer):
-            if bucket.dtype == fp16 and not allow_fp16:
-                raise ValueError("Attempting to unscale FP16 gradients.")
-            attached = bucket.attach_grads()
-            covered = attached if not covered else covered | attached
-            flat.append((bucket.device, [bucket.buffer]))
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None or (covered and id(param) in covered):
-                    continue
-                if type(grad) is not plain:  # DTensor (FSDP2): its local shard
-                    grad, on_mesh = local_grad(grad, resolve_backend(self._backend,
-                                                                     grad.device))
-                    if on_mesh:
-                        mesh_groups.setdefault(grad.device, on_mesh)
-                dtype = grad.dtype
-                if dtype == fp16 and not allow_fp16:
-                    raise ValueError("Attempting to unscale FP16 gradients.")
-                if grad.is_sparse:
-                    if dtype is fp16:
-                        param.grad = grad = grad.coalesce()
-                    grad = grad._values()
-                groups[grad.device, dtype].append(grad)
-        for (device, dtype), grads in groups.items():
-            if dtype not in float_dtypes:
-                ops.check_grad_dtype(f"a gradient on {device}", dtype)
-            flat.append((device, grads))
-        return flat, mesh_groups
+        return grad_groups(optimizer, allow_fp16, self._backend)
 
     def _inv_scale(self) -> torch.Tensor:
         return self._scale.double().reciprocal().float()
