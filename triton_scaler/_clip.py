@@ -50,7 +50,8 @@ def _group_norms(grads, found_inf, inv_scale, norm_type: float, backend: str) ->
                                  norm=2 if norm_type == 2.0 else -1)
         return [partial.sqrt() if norm_type == 2.0 else partial]
     reference.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-    grads = [g for g in grads if g.numel()]
+    if norm_type != 2.0:  # the inf norm of an empty tensor is an error in torch
+        grads = [g for g in grads if g.numel()]
     wide = torch.float64 if grads and grads[0].dtype == torch.float64 else torch.float32
     return list(torch._foreach_norm(grads, norm_type, dtype=wide)) if grads else []
 
@@ -119,16 +120,19 @@ class ClipMixin:
         inv_for = _MultiDeviceReplicator(self._inv_scale())
         with torch.no_grad():
             groups, mesh_groups = self._grad_groups(optimizer, False)
-            norms = [n.to(device) for dev, grads in groups
-                     for n in _group_norms(grads, found_for.get(dev), inv_for.get(dev),
-                                           norm_type, self._backend)]
+            norms = []  # per group, the stacked norms (one 0-d tensor per Python object: cheap)
+            for dev, grads in groups:
+                group_norms = _group_norms(grads, found_for.get(dev), inv_for.get(dev),
+                                           norm_type, self._backend)
+                if group_norms:
+                    norms.append(torch.stack(group_norms).to(device))
             if not norms:
                 found_for.get(device)
             wide = torch.float64 if any(n.dtype == torch.float64 for n in norms) \
                 else torch.float32
             # torch's clip: the norm of the per-tensor norms (bit-identical on the reference
             # path for float32 grads), then agreed over the mesh / process group
-            total = (torch.linalg.vector_norm(torch.stack([n.to(wide) for n in norms]), norm_type)
+            total = (torch.linalg.vector_norm(torch.cat([n.to(wide) for n in norms]), norm_type)
                      if norms else torch.zeros((), dtype=wide, device=device))
             total = self._agree_norm(total, mesh_groups, norm_type).float()
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

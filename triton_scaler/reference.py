@@ -32,10 +32,9 @@ def _may_overflow(inv_scale: torch.Tensor) -> bool:
 def _without_aliases(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Drop grads that start at the address of an earlier non-empty one (``p2.grad =
     p1.grad.t()``): each memory location is unscaled once (torch's op unscales it twice)."""
-    addresses = [g.data_ptr() if g.numel() else None for g in grads]
-    non_empty = [a for a in addresses if a is not None]
-    if len(set(non_empty)) == len(non_empty):
+    if len(set(map(torch.Tensor.data_ptr, grads))) == len(grads):  # C-level: the usual case
         return grads
+    addresses = [g.data_ptr() if g.numel() else None for g in grads]
     largest: dict[int, torch.Tensor] = {}  # per address, the alias with the most elements
     for g, address in zip(grads, addresses):
         if address is not None and (address not in largest
