@@ -106,11 +106,15 @@ def train(engine, kind, backend, injection, rank):
     return {"scales": scales, "skipped": skipped, "params": _full_params(engine, wrapped)}
 
 
-def run(rank, world_size, port, backend, engines, out_dir):
+def _init_group(rank, world_size, port):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))
+
+
+def run(rank, world_size, port, backend, engines, out_dir):
+    _init_group(rank, world_size, port)
     try:
         results = {}
         for engine in engines:
@@ -151,10 +155,7 @@ def run_buckets(rank, world_size, port, backend, out_dir):
     own bucket views (with advice), exact with DDP(gradient_as_bucket_view=False)."""
     from triton_scaler import GradBuckets, GradScaler
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
+    _init_group(rank, world_size, port)
     results = {}
     try:
         fsdp2, (opt,) = _wrap("fsdp2", _model())
@@ -197,10 +198,7 @@ def run_clip(rank, world_size, port, backend, out_dir):
     returned norm is the global one, and every rank clips by it."""
     from triton_scaler import GradScaler
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
+    _init_group(rank, world_size, port)
     try:
         results = {}
         for norm_type in (2.0, math.inf):

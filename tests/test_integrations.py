@@ -24,6 +24,15 @@ def _counted(scaler, calls):
     return scaler
 
 
+def _assert_same_runs(plain, fused):
+    """(norms, params, final scale) of the library's plain route and of the fused one."""
+    assert plain[2] == fused[2]
+    for a, b in zip(plain[0], fused[0]):
+        assert a == pytest.approx(b, rel=1e-5) or not (math.isfinite(a) or math.isfinite(b))
+    for a, b in zip(plain[1], fused[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 2))
@@ -55,11 +64,7 @@ def test_accelerate_clip_grad_norm_equals_its_plain_route(backend):
     calls = []
     plain, fused = run(False), run(True)
     assert len(calls) == 6  # only the fused run calls scaler.clip_grad_norm_
-    assert plain[2] == fused[2]
-    for a, b in zip(plain[0], fused[0]):
-        assert a == pytest.approx(b, rel=1e-5) or not (math.isfinite(a) or math.isfinite(b))
-    for a, b in zip(plain[1], fused[1]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _assert_same_runs(plain, fused)
 
 
 def test_fabric_clip_gradients_equals_its_plain_route(backend):
@@ -90,11 +95,7 @@ def test_fabric_clip_gradients_equals_its_plain_route(backend):
     calls = []
     plain, fused = run(False), run(True)
     assert len(calls) == 6  # only the fused run calls scaler.clip_grad_norm_
-    assert plain[2] == fused[2]
-    for a, b in zip(plain[0], fused[0]):
-        assert a == pytest.approx(b, rel=1e-5) or not (math.isfinite(a) or math.isfinite(b))
-    for a, b in zip(plain[1], fused[1]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _assert_same_runs(plain, fused)
 
 
 def test_lightning_trainer_plugin_equals_its_plain_route(backend, tmp_path):

@@ -96,13 +96,7 @@ class ClipMixin:
             total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                                    error_if_nonfinite)
             return total.float() if not self._enabled else total.float().to(self._scale.device)
-        self._check_scale_growth_tracker("clip_grad_norm_")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.UNSCALED:
-            raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update().")
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
+        state = self._ready_to_unscale(optimizer, "clip_grad_norm_")
         total, found_per_device = self._fused_clip(optimizer, max_norm, norm_type)
         state["found_inf_per_device"] = found_per_device
         state["stage"] = OptState.UNSCALED

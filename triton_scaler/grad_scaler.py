@@ -149,13 +149,7 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         One fused launch per bucket / (device, dtype) group. No host sync."""
         if not self._enabled:
             return
-        self._check_scale_growth_tracker("unscale_")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.UNSCALED:
-            raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update().")
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
+        state = self._ready_to_unscale(optimizer, "unscale_")
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
         per_device = self._unscale_grads_(optimizer, self._inv_scale(), found_inf, False)
         if not per_device and self._process_group is not None:
@@ -164,6 +158,18 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         state["stage"] = OptState.UNSCALED
         if per_device:  # none: torch raises in step(), not here
             self._agree_found_inf(state, start_host_copy=True)
+
+    def _ready_to_unscale(self, optimizer: torch.optim.Optimizer, funcname: str) -> dict:
+        """The optimizer's per-iteration state; raises torch's errors when its grads were
+        already unscaled or stepped in this iteration."""
+        self._check_scale_growth_tracker(funcname)
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        return state
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """Read-only inf/NaN check of the optimizer's grads (the fused-optimizer route)."""
