@@ -12,8 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-PARAMS_LAYOUT = ("growth_factor", "backoff_factor", "growth_interval",
-                 "min_scale", "max_scale", "hysteresis")
+from triton_scaler.policy import PARAMS_LAYOUT  # the buffer's layout, owned by ScalePolicy
+
+__all__ = ["PARAMS_LAYOUT", "launch_update_scale", "update_scale_kernel"]
 
 
 @triton.jit

@@ -20,6 +20,7 @@ from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 from . import reference
 from ._backend import resolve_backend
 from ._distributed import agree_over_meshes
+from ._grads import grad_groups
 
 
 def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, float]:
@@ -113,7 +114,7 @@ class ClipMixin:
         found_for = _MultiDeviceReplicator(torch.zeros((), dtype=torch.float32, device=device))
         inv_for = _MultiDeviceReplicator(self._inv_scale())
         with torch.no_grad():
-            groups, mesh_groups = self._grad_groups(optimizer, False)
+            groups, mesh_groups = grad_groups(optimizer, False, self._backend)
             norms = []  # per group, the stacked norms (one 0-d tensor per Python object: cheap)
             for dev, grads in groups:
                 group_norms = _group_norms(grads, found_for.get(dev), inv_for.get(dev),

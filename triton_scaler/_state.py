@@ -140,11 +140,10 @@ class ScalerStateMixin:
         state = super().state_dict()  # type: ignore[misc]
         if not self._enabled:
             return state
-        settings = self._policy.state_items()
-        for key in EXTENSION_KEYS:
-            state[key] = settings[key] if key in settings else None
-        state["_hysteresis_tracker"] = self._get_hysteresis_tracker()
-        state["skipped_steps"] = self.skipped_steps
+        values = {**self._policy.state_items(),
+                  "_hysteresis_tracker": self._get_hysteresis_tracker(),
+                  "skipped_steps": self.skipped_steps}
+        state.update((key, values[key]) for key in EXTENSION_KEYS)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -168,11 +167,12 @@ class ScalerStateMixin:
         scale = check_scale_value(_key("scale"), state_dict["scale"], policy)
         growth_tracker = as_int(_key("_growth_tracker"), state_dict["_growth_tracker"], 0,
                                 INT32_MAX)
-        # torch's dicts have no tracker: keep ours (refilled to a smaller new hysteresis).
-        current = min(self._get_hysteresis_tracker(), policy.hysteresis)
-        hysteresis_tracker = as_int(
-            _key("_hysteresis_tracker"), state_dict.get("_hysteresis_tracker", current),
-            INT32_MIN, policy.hysteresis, f"an int <= hysteresis ({policy.hysteresis})")
+        if "_hysteresis_tracker" in state_dict:
+            hysteresis_tracker = as_int(
+                _key("_hysteresis_tracker"), state_dict["_hysteresis_tracker"], INT32_MIN,
+                policy.hysteresis, f"an int <= hysteresis ({policy.hysteresis})")
+        else:  # torch's dicts have none: keep ours (refilled to a smaller new hysteresis)
+            hysteresis_tracker = min(self._get_hysteresis_tracker(), policy.hysteresis)
         skipped = as_int(_key("skipped_steps"),
                          state_dict.get("skipped_steps", self._init_skipped_steps), 0, _INT64_MAX)
         # Validated: now change everything.

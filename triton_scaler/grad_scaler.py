@@ -129,16 +129,15 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
         with torch.no_grad():
-            groups, mesh_groups = self._grad_groups(optimizer, allow_fp16)
+            groups, mesh_groups = grad_groups(optimizer, allow_fp16, self._backend)
             for device, grads in groups:
                 ops.unscale_group_(grads, per_device_found_inf.get(device),
                                    per_device_inv_scale.get(device), self._backend, write)
             if mesh_groups:
                 agree_over_meshes(per_device_found_inf._per_device_tensors, mesh_groups)
+        if not groups and self._process_group is not None:
+            per_device_found_inf.get(found_inf.device)  # no grads here: join the agreement, 0
         return per_device_found_inf._per_device_tensors
-
-    def _grad_groups(self, optimizer, allow_fp16):
-        return grad_groups(optimizer, allow_fp16, self._backend)
 
     def _inv_scale(self) -> torch.Tensor:
         return self._scale.double().reciprocal().float()
@@ -152,8 +151,6 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         state = self._ready_to_unscale(optimizer, "unscale_")
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
         per_device = self._unscale_grads_(optimizer, self._inv_scale(), found_inf, False)
-        if not per_device and self._process_group is not None:
-            per_device = {found_inf.device: found_inf}  # no grads here: join the agreement with 0
         state["found_inf_per_device"] = per_device
         state["stage"] = OptState.UNSCALED
         if per_device:  # none: torch raises in step(), not here
@@ -176,11 +173,8 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
         state = self._per_optimizer_states[id(optimizer)]
-        per_device = self._unscale_or_check(optimizer, self._inv_scale(), found_inf, True,
-                                            write=False)
-        if not per_device and self._process_group is not None:
-            per_device = {found_inf.device: found_inf}  # no grads here: join the agreement with 0
-        state["found_inf_per_device"] = per_device
+        state["found_inf_per_device"] = self._unscale_or_check(
+            optimizer, self._inv_scale(), found_inf, True, write=False)
         state.pop("found_inf_agreed", None)
         return state["found_inf_per_device"]
 

@@ -26,7 +26,7 @@ from .policy import ScalePolicy, cached_policy
 #: The grad dtypes the ops accept: torch's op takes these four (and no others).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _ACCEPTED = "float32, float16, bfloat16 or float64"
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def check_grad_dtype(where: str, dtype: torch.dtype) -> None:
@@ -95,10 +95,11 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
         raise ValueError(f"inv_scale is on {inv_scale.device} but found_inf is on {found_inf.device}")
     resolved = resolve_backend(backend, found_inf.device)
     mesh_groups = None
-    for i, g in enumerate(grads):
-        if isinstance(g, torch.Tensor) and type(g) not in _PLAIN:  # DTensor: its local shard
-            grads[i], groups = local_grad(g, resolved)
-            mesh_groups = mesh_groups or groups
+    if not _PLAIN.issuperset(map(type, grads)):  # rare: a DTensor (its local shard) or such
+        for i, g in enumerate(grads):
+            if isinstance(g, torch.Tensor) and type(g) not in _PLAIN:
+                grads[i], groups = local_grad(g, resolved)
+                mesh_groups = mesh_groups or groups
     if resolved == "reference" and write:
         try:  # torch's op checks the grads itself: no per-tensor Python work when they are fine
             unscale_group_(grads, found_inf, inv_scale, "reference", write)
