@@ -51,6 +51,62 @@ def _as_stored(y, out_ty, BF16_BITS: tl.constexpr, FP64: tl.constexpr):
 
 
 @triton.jit
+def _inv_scale(inv_scale_ptr, INV_FROM_SCALE: tl.constexpr, FP64: tl.constexpr):
+    """The multiplier: the pointed-to inv_scale, or (``INV_FROM_SCALE``) the pointed-to scale's
+    reciprocal formed as torch forms it, ``fp32(1 / fp64(scale))``."""
+    if INV_FROM_SCALE:
+        inv = (1.0 / tl.load(inv_scale_ptr).to(tl.float64)).to(tl.float32)
+    else:
+        inv = tl.load(inv_scale_ptr)
+    if FP64:
+        inv = inv.to(tl.float64)
+    return inv
+
+
+@triton.jit
+def _block_pass(ptrs, mask, inv, coef, HAS_MASK: tl.constexpr, WRITE: tl.constexpr,
+                BF16_BITS: tl.constexpr, FP64: tl.constexpr, ROUND: tl.constexpr,
+                NORM: tl.constexpr, CLIP: tl.constexpr):
+    """One block: (saw a non-finite value, the block's norm partial). ``HAS_MASK=False``: a
+    full block, loaded and stored without a mask (16-byte vector accesses when aligned)."""
+    if HAS_MASK:
+        raw = tl.load(ptrs, mask=mask, other=0)
+    else:
+        raw = tl.load(ptrs)
+    if BF16_BITS:
+        x = bf16_bits_to_fp32(raw)
+    elif FP64:
+        x = raw
+    else:
+        x = raw.to(tl.float32)
+    y = x * inv
+    if ROUND:  # the unscaled gradient as stored (rounded to its dtype)
+        out, value = _as_stored(y, ptrs.dtype.element_ty, BF16_BITS, FP64)
+        if CLIP:  # dtype(dtype(g * inv_scale) * clip_coef), as unscale_ + clip_grad_norm_
+            out, value = _as_stored(value * coef, ptrs.dtype.element_ty, BF16_BITS, FP64)
+        if WRITE:
+            if HAS_MASK:
+                tl.store(ptrs, out, mask=mask)
+            else:
+                tl.store(ptrs, out)
+    else:  # read-only check: the product itself
+        value = y
+    nonfinite = (value != value) | (tl.abs(value) == float("inf"))
+    if HAS_MASK:
+        nonfinite = nonfinite & mask
+        value = tl.where(mask, value, 0.0)
+    saw = tl.max(nonfinite.to(tl.int32), axis=0)
+    if NORM == 2:  # this block's sum of squares
+        partial = tl.sum(value * value, axis=0)
+    elif NORM == -1:  # this block's max |x|, NaN if it saw a NaN
+        saw_nan = tl.max((value != value).to(tl.int32), axis=0)
+        partial = tl.where(saw_nan > 0, float("nan"), tl.max(tl.abs(value), axis=0))
+    else:
+        partial = saw
+    return saw, partial
+
+
+@triton.jit
 def unscale_kernel(
     grad_ptr,
     table_ptr,
@@ -63,55 +119,37 @@ def unscale_kernel(
     USE_TABLE: tl.constexpr,
     WRITE: tl.constexpr,
     BF16_BITS: tl.constexpr,
-    ALIGN: tl.constexpr,
+    VEC: tl.constexpr,
     FP64: tl.constexpr,
     ROUND: tl.constexpr,
     NORM: tl.constexpr,
     CLIP: tl.constexpr,
+    INV_FROM_SCALE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, BLOCK)
     if USE_TABLE:
-        start = tl.multiple_of(tl.load(table_ptr + 2 * pid), ALIGN)
-        end = tl.multiple_of(start + tl.load(table_ptr + 2 * pid + 1), ALIGN)
+        start = tl.load(table_ptr + 2 * pid)
+        length = tl.load(table_ptr + 2 * pid + 1)
     else:
         start = pid * BLOCK
-        end = n_elements
-    offsets = start + idx
-    mask = offsets < end
-    ptrs = grad_ptr + offsets
-    raw = tl.load(ptrs, mask=mask, other=0)
-    if BF16_BITS:
-        x = bf16_bits_to_fp32(raw)
-    elif FP64:
-        x = raw
+        length = n_elements - start
+    inv = _inv_scale(inv_scale_ptr, INV_FROM_SCALE, FP64)
+    coef = inv
+    if CLIP:
+        coef = tl.load(coef_ptr).to(inv.dtype)
+    # A full block whose start is a multiple of 16 bytes (relative to a 16-byte aligned base,
+    # which triton's launcher specialises on) runs mask-free with vector loads and stores.
+    if (length >= BLOCK) & (start % VEC == 0):
+        aligned = tl.multiple_of(start, VEC)
+        saw, partial = _block_pass(grad_ptr + aligned + idx, idx < BLOCK, inv, coef, False,
+                                   WRITE, BF16_BITS, FP64, ROUND, NORM, CLIP)
     else:
-        x = raw.to(tl.float32)
-    if FP64:
-        y = x * tl.load(inv_scale_ptr).to(tl.float64)
-    else:
-        y = x * tl.load(inv_scale_ptr)
-    if ROUND:  # the unscaled gradient as stored (rounded to its dtype)
-        out, value = _as_stored(y, grad_ptr.dtype.element_ty, BF16_BITS, FP64)
-        if CLIP:  # dtype(dtype(g * inv_scale) * clip_coef), as unscale_ + clip_grad_norm_
-            if FP64:
-                coef = tl.load(coef_ptr).to(tl.float64)
-            else:
-                coef = tl.load(coef_ptr)
-            out, value = _as_stored(value * coef, grad_ptr.dtype.element_ty, BF16_BITS, FP64)
-        if WRITE:
-            tl.store(ptrs, out, mask=mask)
-    else:  # read-only check: the product itself
-        value = y
-    nonfinite = (value != value) | (tl.abs(value) == float("inf"))
-    saw = tl.max((nonfinite & mask).to(tl.int32), axis=0)
+        saw, partial = _block_pass(grad_ptr + start + idx, idx < length, inv, coef, True,
+                                   WRITE, BF16_BITS, FP64, ROUND, NORM, CLIP)
     tl.store(found_inf_ptr, 1.0, mask=saw > 0)
-    if NORM == 2:  # this program's sum of squares
-        tl.store(partial_ptr + pid, tl.sum(tl.where(mask, value * value, 0.0), axis=0))
-    if NORM == -1:  # this program's max |x|, NaN if it saw a NaN
-        peak = tl.max(tl.where(mask, tl.abs(value), 0.0), axis=0)
-        saw_nan = tl.max(((value != value) & mask).to(tl.int32), axis=0)
-        tl.store(partial_ptr + pid, tl.where(saw_nan > 0, float("nan"), peak))
+    if NORM != 0:
+        tl.store(partial_ptr + pid, partial)
 
 
 _INTERPRETED = type(unscale_kernel).__name__ == "InterpretedFunction"
@@ -134,45 +172,41 @@ def _as_kernel_view(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-_tables: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
+_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
 
-def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...],
-                block: int) -> tuple[torch.Tensor, int]:
-    """(table, align) for contiguous, non-empty, same-dtype ``grads`` on one device, whose
-    sizes are ``numels``.
+def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
+                addresses: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The chunk table of contiguous, non-empty, same-dtype ``grads`` on one device, whose
+    sizes are ``numels``: an int64 ``[n_chunks, 2]`` device tensor of ``(start, length)`` rows,
+    start in elements from ``grads[0]``. Every chunk but a tensor's last is ``block`` long.
 
-    ``table`` is an int64 ``[n_chunks, 2]`` device tensor of ``(start, length)`` rows, start in
-    elements from ``grads[0]``; ``align`` is the element count of 16 bytes when every chunk
-    starts and ends 16-byte aligned, else 1. Cached on the grads' addresses and sizes, so a
-    training loop whose grads keep their storage builds it once; a hit costs one pass over the
-    grads' addresses.
+    Cached on the grads' addresses and sizes (the last 32 layouts), so a training loop whose
+    grads keep their storage builds it once; a hit costs one pass over the grads' addresses.
     """
     first = grads[0]
-    key = (first.device, first.dtype, block, tuple(map(torch.Tensor.data_ptr, grads)), numels)
-    hit = _tables.get(key)
-    if hit is not None:
+    if addresses is None:
+        addresses = tuple(map(torch.Tensor.data_ptr, grads))
+    key = (first.device, first.dtype, block, addresses, numels)
+    table = _tables.get(key)
+    if table is not None:
         _tables.move_to_end(key)
-        return hit
-    elsize = first.element_size()
-    addresses, numels = _without_aliases(key[3], numels)
-    ptrs = torch.tensor(addresses, dtype=torch.int64)
+        return table
+    unique_addresses, numels = _without_aliases(addresses, numels)
+    ptrs = torch.tensor(unique_addresses, dtype=torch.int64)
     sizes = torch.tensor(numels, dtype=torch.int64)
-    rel = (ptrs - ptrs[0]) // elsize
+    rel = (ptrs - ptrs[0]) // first.element_size()
     n_chunks = (sizes + block - 1) // block
-    owner = torch.repeat_interleave(torch.arange(len(addresses)), n_chunks)
+    owner = torch.repeat_interleave(torch.arange(len(unique_addresses)), n_chunks)
     first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
     offset = (torch.arange(owner.numel()) - first_chunk[owner]) * block
     table = torch.stack([rel[owner] + offset, torch.clamp(sizes[owner] - offset, max=block)], 1)
-    vec = 16 // elsize
-    aligned = all(p % 16 == 0 for p in addresses) and all(n % vec == 0 for n in numels)
     if first.is_cuda:  # pinned + non_blocking: the upload does not wait for the stream
         table = table.pin_memory().to(first.device, non_blocking=True)
-    result = (table, vec if aligned else 1)
-    _tables[key] = result
+    _tables[key] = table
     if len(_tables) > _TABLE_CACHE_SIZE:
         _tables.popitem(last=False)
-    return result
+    return table
 
 
 def _flat_memory(t: torch.Tensor) -> torch.Tensor | None:
@@ -197,39 +231,45 @@ def _without_aliases(addresses: tuple[int, ...], numels: tuple[int, ...]):
     return tuple(seen), tuple(seen.values())
 
 
-def launch_unscale(
-    grads: list[torch.Tensor],
-    found_inf: torch.Tensor,
-    inv_scale: torch.Tensor,
-    *,
-    write: bool = True,
-    norm: int = 0,
-    clip_coef: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """Unscale (``write=True``) or only check (``write=False``) same-device, same-dtype grads.
+class UnscalePlan:
+    """The host side of one launch over same-device, same-dtype grads: the base tensor (the
+    ``base_index``-th grad), the chunk table (or the flat size) and the contiguous copies that
+    non-dense grads need. Built by :func:`plan_unscale`. A ``reusable`` plan (no copies) holds
+    no grads once :meth:`template` strips its base, and :meth:`rebased` puts the base of a new
+    grads list at the same addresses back."""
 
-    One launch for a single tensor (flat path) or for all tensors of the list (chunk-table
-    path). Dense non-contiguous grads (channels_last, transposed) are covered as the flat memory
-    they are; overlapping or gapped ones through contiguous copies that are written back. Grads
-    that start at the same address (aliases) are processed once. ``found_inf`` and
-    ``inv_scale`` are 0-d fp32 tensors on the grads' device. Asynchronous: no host sync.
+    __slots__ = ("base", "base_index", "table", "n", "grid", "copies", "reusable")
 
-    ``clip_grad_norm_``'s passes: ``write=False, norm=2`` (or ``-1`` for the inf norm) also
-    returns the sum of squares (max ``|x|``) of the unscaled grads as a 0-d float32 (float64
-    for float64 grads) device tensor; ``write=True, clip_coef=c`` stores
-    ``dtype(dtype(g * inv_scale) * c)``.
-    """
-    fp64 = bool(grads) and grads[0].dtype == torch.float64
-    numels = tuple(map(torch.Tensor.numel, grads))  # C-level passes: cheap per grad
+    def __init__(self, base, base_index, table, n, grid, copies, reusable):
+        self.base, self.base_index, self.table, self.n = base, base_index, table, n
+        self.grid, self.copies, self.reusable = grid, copies, reusable
+
+    def template(self) -> UnscalePlan:
+        return UnscalePlan(None, self.base_index, self.table, self.n, self.grid, [], True)
+
+    def rebased(self, grads: list[torch.Tensor]) -> UnscalePlan:
+        return UnscalePlan(grads[self.base_index] if self.grid else None, self.base_index,
+                           self.table, self.n, self.grid, [], True)
+
+
+def plan_unscale(grads: list[torch.Tensor], numels: tuple[int, ...] | None = None,
+                 addresses: tuple[int, ...] | None = None) -> UnscalePlan:
+    """The host work of a launch over ``grads`` (see :func:`launch_unscale`). ``numels`` /
+    ``addresses``: the grads' sizes / data pointers when the caller already has them."""
+    if numels is None:
+        numels = tuple(map(torch.Tensor.numel, grads))  # C-level passes: cheap per grad
+    base_index = 0
     if 0 in numels:
-        grads = [g for g, n in zip(grads, numels) if n]
-        numels = tuple(n for n in numels if n)
+        base_index = next((i for i, n in enumerate(numels) if n), 0)
+        kept = [(g, n) for g, n in zip(grads, numels) if n]
+        grads, numels, addresses = [g for g, _ in kept], tuple(n for _, n in kept), None
     if not grads:
-        return None if not norm else found_inf.new_zeros((), dtype=_partial_dtype(fp64))
+        return UnscalePlan(None, 0, None, 0, 0, [], True)
     copies = []
     dense = grads
-    if not all(map(torch.Tensor.is_contiguous, grads)):  # rare: Python work per such grad
-        dense = []
+    contiguous = all(map(torch.Tensor.is_contiguous, grads))
+    if not contiguous:  # rare: Python work per such grad
+        dense, addresses = [], None
         for g in grads:
             flat = g if g.is_contiguous() else _flat_memory(g)
             if flat is None:  # overlapping or with gaps: a correct, slower fallback
@@ -239,21 +279,56 @@ def launch_unscale(
         numels = tuple(map(torch.Tensor.numel, dense))
     block = _block()
     if len(dense) == 1:
-        grid, table, n, align = triton.cdiv(numels[0], block), found_inf, numels[0], 1
-    else:
-        table, align = chunk_table(dense, numels, block)
-        grid, n = table.shape[0], 0
-    partials = found_inf.new_empty(grid, dtype=_partial_dtype(fp64)) if norm else found_inf
+        return UnscalePlan(dense[0], base_index, None, numels[0],
+                           triton.cdiv(numels[0], block), copies, contiguous)
+    table = chunk_table(dense, numels, block, addresses)
+    return UnscalePlan(dense[0], base_index, table, 0, table.shape[0], copies, contiguous)
+
+
+def launch_unscale(
+    grads: list[torch.Tensor] | UnscalePlan,
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
+    *,
+    write: bool = True,
+    norm: int = 0,
+    clip_coef: torch.Tensor | None = None,
+    inv_from_scale: bool = False,
+) -> torch.Tensor | None:
+    """Unscale (``write=True``) or only check (``write=False``) same-device, same-dtype grads.
+
+    One launch for a single tensor (flat path) or for all tensors of the list (chunk-table
+    path); ``grads`` may also be a plan from :func:`plan_unscale`. Dense non-contiguous grads
+    (channels_last, transposed) are covered as the flat memory they are; overlapping or gapped
+    ones through contiguous copies that are written back. Grads that start at the same address
+    (aliases) are processed once. ``found_inf`` is a 0-d fp32 tensor on the grads' device;
+    ``inv_scale`` too, or (``inv_from_scale=True``) the 0-d fp32 scale, whose reciprocal the
+    kernel forms as torch does (``fp32(1 / fp64(scale))``). Asynchronous: no host sync.
+
+    ``clip_grad_norm_``'s passes: ``write=False, norm=2`` (or ``-1`` for the inf norm) also
+    returns the sum of squares (max ``|x|``) of the unscaled grads as a 0-d float32 (float64
+    for float64 grads) device tensor; ``write=True, clip_coef=c`` stores
+    ``dtype(dtype(g * inv_scale) * c)``.
+    """
+    plan = grads if isinstance(grads, UnscalePlan) else plan_unscale(grads)
+    if not plan.grid:  # no elements
+        fp64 = not isinstance(grads, UnscalePlan) and bool(grads) \
+            and grads[0].dtype == torch.float64
+        return None if not norm else found_inf.new_zeros((), dtype=_partial_dtype(fp64))
+    base = plan.base
+    fp64 = base.dtype == torch.float64
+    partials = found_inf.new_empty(plan.grid, dtype=_partial_dtype(fp64)) if norm else found_inf
     options = {} if is_interpreting() else {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
-    unscale_kernel[(grid,)](
-        _as_kernel_view(dense[0]), table, n, inv_scale, found_inf,
-        found_inf if clip_coef is None else clip_coef, partials,
-        BLOCK=block, USE_TABLE=len(dense) > 1, WRITE=write,
-        BF16_BITS=dense[0].dtype == torch.bfloat16 and is_interpreting(), ALIGN=align,
-        FP64=fp64, ROUND=write or norm != 0, NORM=norm, CLIP=clip_coef is not None, **options,
+    unscale_kernel[(plan.grid,)](
+        _as_kernel_view(base), found_inf if plan.table is None else plan.table, plan.n,
+        inv_scale, found_inf, found_inf if clip_coef is None else clip_coef, partials,
+        BLOCK=_block(), USE_TABLE=plan.table is not None, WRITE=write,
+        BF16_BITS=base.dtype == torch.bfloat16 and is_interpreting(),
+        VEC=16 // base.element_size(), FP64=fp64, ROUND=write or norm != 0, NORM=norm,
+        CLIP=clip_coef is not None, INV_FROM_SCALE=inv_from_scale, **options,
     )
     if write:
-        for g, c in copies:
+        for g, c in plan.copies:
             g.copy_(c)
     if norm:
         return partials.sum() if norm == 2 else partials.max()

@@ -24,9 +24,32 @@ def update_scale_kernel(
     found_inf_ptr,
     hysteresis_tracker_ptr,
     params_ptr,
+    skipped_ptr,
+    skipped_count_ptr,
+    N_FOUND: tl.constexpr,
     HAS_HYSTERESIS: tl.constexpr,
     CONSECUTIVE_HYSTERESIS: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+    RECORD_SKIP: tl.constexpr,
+    RESET_FOUND: tl.constexpr,
 ):
+    # The iteration's overflow: any of the N_FOUND flags non-zero (NaN counts, as torch's
+    # ``found_inf != 0``); RESET_FOUND zeroes them for the next iteration.
+    flags = tl.load(found_inf_ptr + tl.arange(0, N_FOUND))
+    found = tl.max((flags != 0).to(tl.int32), axis=0) > 0
+    if RESET_FOUND:
+        tl.store(found_inf_ptr + tl.arange(0, N_FOUND), tl.zeros((N_FOUND,), tl.float32))
+    if RECORD_SKIP:  # last_step_skipped (uint8 view of a bool) and the skipped-step count
+        tl.store(skipped_ptr, found.to(tl.uint8))
+        tl.store(skipped_count_ptr, tl.load(skipped_count_ptr) + found.to(tl.int64))
+    if DYNAMIC:
+        _update_scale(scale_ptr, growth_tracker_ptr, hysteresis_tracker_ptr, params_ptr, found,
+                      HAS_HYSTERESIS, CONSECUTIVE_HYSTERESIS)
+
+
+@triton.jit
+def _update_scale(scale_ptr, growth_tracker_ptr, hysteresis_tracker_ptr, params_ptr, found,
+                  HAS_HYSTERESIS: tl.constexpr, CONSECUTIVE_HYSTERESIS: tl.constexpr):
     growth_factor = tl.load(params_ptr + 0)
     backoff_factor = tl.load(params_ptr + 1)
     growth_interval = tl.load(params_ptr + 2).to(tl.int32)
@@ -35,7 +58,6 @@ def update_scale_kernel(
 
     scale = tl.load(scale_ptr)
     scale64 = scale.to(tl.float64)
-    found = tl.load(found_inf_ptr) != 0
     successful = tl.load(growth_tracker_ptr) + 1
     at_interval = successful == growth_interval
 
@@ -72,14 +94,32 @@ def launch_update_scale(
     params: torch.Tensor,
     hysteresis_tracker: torch.Tensor | None,
     consecutive_hysteresis: bool,
+    *,
+    dynamic: bool = True,
+    skipped: torch.Tensor | None = None,
+    skipped_count: torch.Tensor | None = None,
+    reset_found: bool = False,
 ) -> None:
     """Update ``scale`` (0-d fp32), ``growth_tracker`` and ``hysteresis_tracker`` (0-d int32)
-    in place from ``found_inf`` (0-d fp32) and ``params`` (fp64, ``PARAMS_LAYOUT``), all on
-    one device. One launch, asynchronous: no host synchronisation."""
+    in place from ``found_inf`` and ``params`` (fp64, ``PARAMS_LAYOUT``), all on one device.
+
+    ``found_inf`` is a 0-d fp32 flag, or a 1-D fp32 tensor of flags (one per optimizer, a
+    power-of-two count) of which any non-zero one is an overflow. The scaler's whole
+    ``update()`` in this one launch: ``skipped`` (0-d bool) and ``skipped_count`` (0-d int64)
+    record the overflow, ``reset_found`` zeroes the flags for the next iteration and
+    ``dynamic=False`` leaves the scale as it is. Asynchronous: no host synchronisation."""
     has_hysteresis = hysteresis_tracker is not None
+    n_found = found_inf.numel()
+    if n_found & (n_found - 1) or not found_inf.is_contiguous():
+        raise ValueError(f"found_inf must hold a power-of-two count of contiguous flags; "
+                         f"got {n_found}")
+    record = skipped is not None
     update_scale_kernel[(1,)](
         scale, growth_tracker, found_inf,
         hysteresis_tracker if has_hysteresis else growth_tracker, params,
-        HAS_HYSTERESIS=has_hysteresis, CONSECUTIVE_HYSTERESIS=consecutive_hysteresis,
-        num_warps=1, enable_fp_fusion=False,
+        skipped.view(torch.uint8) if record else found_inf,
+        skipped_count if record else growth_tracker,
+        N_FOUND=n_found, HAS_HYSTERESIS=has_hysteresis,
+        CONSECUTIVE_HYSTERESIS=consecutive_hysteresis, DYNAMIC=dynamic, RECORD_SKIP=record,
+        RESET_FOUND=reset_found, num_warps=1, enable_fp_fusion=False,
     )

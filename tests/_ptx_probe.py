@@ -39,47 +39,62 @@ def _compile(fn, signature, constexprs, attrs, num_warps):
     return ops
 
 
+def _unscale_signature(dtype):
+    return {"grad_ptr": f"*{dtype}", "table_ptr": "*i64", "n_elements": "i64",
+            "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "coef_ptr": "*fp32",
+            "partial_ptr": "*fp32" if dtype != "fp64" else "*fp64",
+            **{name: "constexpr" for name in ("BLOCK", "USE_TABLE", "WRITE", "BF16_BITS",
+                                              "VEC", "FP64", "ROUND", "NORM", "CLIP",
+                                              "INV_FROM_SCALE")}}
+
+
 def main():
     facts = {}
     names = list(unscale_kernel.arg_names)
+    # what triton's launcher specialises for a 16-byte aligned pointer / a size % 16 == 0
+    aligned_ptr = {(names.index("grad_ptr"),): [["tt.divisibility", 16]]}
+    aligned_size = {**aligned_ptr, (names.index("n_elements"),): [["tt.divisibility", 16]]}
     for dtype in ("fp32", "fp16", "bf16", "fp64"):
+        signature = _unscale_signature(dtype)
         for use_table in (False, True):
             for write in (True, False):
-                signature = {"grad_ptr": f"*{dtype}", "table_ptr": "*i64", "n_elements": "i64",
-                             "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32",
-                             "BLOCK": "constexpr", "USE_TABLE": "constexpr",
-                             "WRITE": "constexpr", "BF16_BITS": "constexpr",
-                             "ALIGN": "constexpr", "FP64": "constexpr",
-                             "coef_ptr": "*fp32", "partial_ptr": "*fp32" if dtype != "fp64"
-                             else "*fp64", "ROUND": "constexpr", "NORM": "constexpr",
-                             "CLIP": "constexpr"}
-                elems_16b = 16 // {"fp32": 4, "fp16": 2, "bf16": 2, "fp64": 8}[dtype]
                 constexprs = {"BLOCK": GPU_BLOCK, "USE_TABLE": use_table, "WRITE": write,
-                              "BF16_BITS": False, "ALIGN": elems_16b if use_table else 1,
+                              "BF16_BITS": False,
+                              "VEC": 16 // {"fp32": 4, "fp16": 2, "bf16": 2, "fp64": 8}[dtype],
                               "FP64": dtype == "fp64", "ROUND": write, "NORM": 0,
-                              "CLIP": False}
-                # what triton's launcher specialises for 16-byte aligned pointers / sizes
-                attrs = {(names.index("grad_ptr"),): [["tt.divisibility", 16]],
-                         (names.index("n_elements"),): [["tt.divisibility", 16]]}
+                              "CLIP": False, "INV_FROM_SCALE": False}
                 key = f"unscale/{dtype}/{'table' if use_table else 'flat'}/" \
                       f"{'write' if write else 'check'}"
-                facts[key] = _compile(unscale_kernel, signature, constexprs, attrs, GPU_NUM_WARPS)
+                facts[key] = _compile(unscale_kernel, signature, constexprs, aligned_size,
+                                      GPU_NUM_WARPS)
+                if not use_table and dtype != "fp64":  # n % 16 != 0: only the base aligned
+                    facts[key + "/odd_size"] = _compile(unscale_kernel, signature, constexprs,
+                                                        aligned_ptr, GPU_NUM_WARPS)
+                if use_table and dtype == "fp32":  # the scaler's route: inv from the scale
+                    facts[key + "/inv_from_scale"] = _compile(
+                        unscale_kernel, signature, {**constexprs, "INV_FROM_SCALE": True},
+                        aligned_ptr, GPU_NUM_WARPS)
                 if dtype in ("fp32", "bf16") and use_table:  # clip_grad_norm_'s two passes
                     for name, extra in (("norm2", dict(WRITE=False, ROUND=True, NORM=2)),
                                         ("norminf", dict(WRITE=False, ROUND=True, NORM=-1)),
                                         ("clip", dict(WRITE=True, ROUND=True, CLIP=True))):
                         if write == extra["WRITE"]:
                             facts[f"clip/{dtype}/table/{name}"] = _compile(
-                                unscale_kernel, signature, {**constexprs, **extra}, attrs,
-                                GPU_NUM_WARPS)
+                                unscale_kernel, signature, {**constexprs, **extra},
+                                aligned_ptr, GPU_NUM_WARPS)
     for hysteresis in (False, True):
         signature = {"scale_ptr": "*fp32", "growth_tracker_ptr": "*i32",
                      "found_inf_ptr": "*fp32", "hysteresis_tracker_ptr": "*i32",
-                     "params_ptr": "*fp64", "HAS_HYSTERESIS": "constexpr",
-                     "CONSECUTIVE_HYSTERESIS": "constexpr"}
-        facts[f"update/hysteresis={hysteresis}"] = _compile(
-            update_scale_kernel, signature,
-            {"HAS_HYSTERESIS": hysteresis, "CONSECUTIVE_HYSTERESIS": False}, {}, 1)
+                     "params_ptr": "*fp64", "skipped_ptr": "*u8", "skipped_count_ptr": "*i64",
+                     **{name: "constexpr" for name in ("N_FOUND", "HAS_HYSTERESIS",
+                                                       "CONSECUTIVE_HYSTERESIS", "DYNAMIC",
+                                                       "RECORD_SKIP", "RESET_FOUND")}}
+        for scaler in (False, True):  # ops.update_scale_ / the scaler's whole update()
+            facts[f"update/hysteresis={hysteresis}/{'scaler' if scaler else 'op'}"] = _compile(
+                update_scale_kernel, signature,
+                {"N_FOUND": 8 if scaler else 1, "HAS_HYSTERESIS": hysteresis,
+                 "CONSECUTIVE_HYSTERESIS": False, "DYNAMIC": True, "RECORD_SKIP": scaler,
+                 "RESET_FOUND": scaler}, {}, 1)
     json.dump(facts, sys.stdout)
 
 

@@ -23,7 +23,8 @@ def ptx_facts():
 
 
 def test_every_variant_compiles(ptx_facts):
-    assert len(ptx_facts) == 4 * 2 * 2 + 2 + 2 * 3
+    # 16 dtype x path x mode, 6 unaligned-size flat, 2 inv-from-scale, 6 clip, 4 update
+    assert len(ptx_facts) == 4 * 2 * 2 + 6 + 2 + 2 * 3 + 4
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -36,13 +37,43 @@ def test_aligned_buckets_use_16_byte_vector_loads(ptx_facts, dtype, path, mode):
         assert "st.global.v4.b32" in ops, ops
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("mode", ["write", "check"])
+def test_unaligned_size_flat_tensor_full_blocks_use_vector_loads(ptx_facts, dtype, mode):
+    """n % 16 != 0 (only the base pointer specialised aligned): full blocks run mask-free
+    with 16-byte accesses; only the tail block is masked."""
+    ops = ptx_facts[f"unscale/{dtype}/flat/{mode}/odd_size"]
+    assert "ld.global.v4.b32" in ops, ops
+    if mode == "write":
+        assert "st.global.v4.b32" in ops, ops
+
+
+@pytest.mark.parametrize("mode", ["write", "check"])
+def test_chunk_table_vector_loads_do_not_depend_on_sizes(ptx_facts, mode):
+    """The table kernel is compiled once for any sizes (no all-or-nothing alignment constexpr):
+    a table with one odd-sized tensor among aligned ones runs the same vectorised code, each
+    chunk deciding at run time (full and 16-byte aligned: vector path)."""
+    ops = ptx_facts[f"unscale/fp32/table/{mode}/inv_from_scale"]
+    assert "ld.global.v4.b32" in ops, ops
+    assert ("st.global.v4.b32" in ops) == (mode == "write"), ops
+
+
+@pytest.mark.parametrize("mode", ["write", "check"])
+def test_inv_scale_from_scale_is_an_exact_fp64_reciprocal(ptx_facts, mode):
+    ops = ptx_facts[f"unscale/fp32/table/{mode}/inv_from_scale"]
+    assert "div.rn.f64" in ops, ops  # IEEE round-to-nearest, as torch's reciprocal
+    assert "cvt.rn.f32.f64" in ops, ops
+
+
 def test_no_approximate_division_anywhere(ptx_facts):
     for key, ops in ptx_facts.items():
-        assert not [op for op in ops if op.startswith("div.") or op.startswith("rcp.approx")], key
+        bad = [op for op in ops if (op.startswith("div.") and not op.startswith("div.rn."))
+               or op.startswith("rcp.approx")]
+        assert not bad, (key, bad)
 
 
 def test_update_factor_math_is_fp64(ptx_facts):
-    for key in ("update/hysteresis=False", "update/hysteresis=True"):
+    for key in [k for k in ptx_facts if k.startswith("update/")]:
         ops = ptx_facts[key]
         assert any(op.startswith("mul") and op.endswith(".f64") for op in ops), ops
         assert "cvt.rn.f32.f64" in ops, ops  # the fp64 product rounded once to fp32
@@ -73,3 +104,20 @@ def test_unscale_offsets_are_64_bit(ptx_facts):
     for key, ops in ptx_facts.items():
         if key.startswith(("unscale/", "clip/")):
             assert "TTIR:program_id_widened_to_i64" in ops, key
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_bucket_from_odd_sized_parameters_launches_the_aligned_vector_kernel(ptx_facts, dtype):
+    """A bucket of odd-sized parameters (a 10-class bias, a 50,257-row vocabulary slice) is
+    padded: its base is 16-byte aligned and its size a multiple of 16, which is what triton's
+    launcher specialises the flat launch on; that specialisation has 16-byte vector accesses."""
+    import torch
+
+    from triton_scaler import GradBuckets
+
+    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch_dtype)) for n in (10, 50257, 3, 7)]
+    (bucket,) = GradBuckets(params)
+    assert bucket.buffer.data_ptr() % 16 == 0 and bucket.buffer.numel() % 16 == 0
+    ops = ptx_facts[f"unscale/{dtype}/flat/write"]  # grad_ptr and n_elements divisible by 16
+    assert "ld.global.v4.b32" in ops and "st.global.v4.b32" in ops, ops

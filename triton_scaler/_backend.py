@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Literal
 
@@ -17,11 +18,13 @@ def check_backend(backend: object) -> None:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}")
 
 
+@functools.cache
 def triton_available() -> bool:
-    """Whether the ``triton`` package can be imported (checked without importing it)."""
+    """Whether the ``triton`` package can be imported (checked once, without importing it)."""
     return importlib.util.find_spec("triton") is not None
 
 
+@functools.cache
 def triton_interpreting() -> bool:
     """Whether Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1`` was set
     before triton_scaler's kernels were first imported)."""
@@ -36,6 +39,9 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["reference", 
     ``"auto"`` picks ``"triton"`` for CUDA tensors when triton is importable, else
     ``"reference"``. ``"triton"`` on non-CUDA tensors works only under the interpreter.
     """
+    if backend == "reference" or (device.type == "cuda" and triton_available()
+                                  and backend in ("auto", "triton")):
+        return "reference" if backend == "reference" else "triton"  # the common cases, fast
     check_backend(backend)
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "reference"

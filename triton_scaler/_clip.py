@@ -15,12 +15,12 @@ import numbers
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
+from torch.amp.grad_scaler import OptState
 
 from . import reference
 from ._backend import resolve_backend
 from ._distributed import agree_over_meshes
-from ._grads import grad_groups
+from ._grads import PerDevice, grad_groups
 
 
 def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, float]:
@@ -98,7 +98,8 @@ class ClipMixin:
                                                    error_if_nonfinite)
             return total.float() if not self._enabled else total.float().to(self._scale.device)
         state = self._ready_to_unscale(optimizer, "clip_grad_norm_")
-        total, found_per_device = self._fused_clip(optimizer, max_norm, norm_type)
+        total, found_per_device = self._fused_clip(optimizer, max_norm, norm_type,
+                                                   self._found_inf_flag(state))
         state["found_inf_per_device"] = found_per_device
         state["stage"] = OptState.UNSCALED
         self._agree_found_inf(state, start_host_copy=True)
@@ -109,10 +110,10 @@ class ClipMixin:
                 "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         return total
 
-    def _fused_clip(self, optimizer, max_norm: float, norm_type: float):
+    def _fused_clip(self, optimizer, max_norm: float, norm_type: float, found_inf):
         device = self._scale.device
-        found_for = _MultiDeviceReplicator(torch.zeros((), dtype=torch.float32, device=device))
-        inv_for = _MultiDeviceReplicator(self._inv_scale())
+        found_for = PerDevice(found_inf)
+        inv_for = PerDevice(self._inv_scale())
         with torch.no_grad():
             groups, mesh_groups = grad_groups(optimizer, False, self._backend)
             norms = []  # per group, the stacked norms (one 0-d tensor per Python object: cheap)

@@ -4,9 +4,11 @@ tensors, skip signal, state_dict / load_state_dict and pickling. Kept apart from
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from .policy import FP32_TINY, INT32_MAX, INT32_MIN, ScalePolicy, as_int, check_scale_value
 
@@ -15,6 +17,9 @@ EXTENSION_KEYS = ("hysteresis", "_hysteresis_tracker", "consecutive_hysteresis",
                   "skipped_steps")
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _INT64_MAX = 2**63 - 1
+#: found_inf flags per iteration, one per optimizer; the last one collects the rare extras
+#: (a ninth optimizer, grads on several devices), so update() reduces all of them in one launch.
+FOUND_INF_SLOTS = 8
 
 
 def _key(key: str) -> str:
@@ -49,10 +54,21 @@ class ScalerStateMixin:
         self._skipped_steps_t: torch.Tensor | None = None
         self._last_step_skipped: torch.Tensor | None = None
         self._params_t: torch.Tensor | None = None
+        self._scale_and_flags: torch.Tensor | None = None
+        self._found_slots: list[torch.Tensor] = []
+        self._slots_taken = 0
         self._warned_underflow = False
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)  # type: ignore[misc]
+        # One buffer: [scale, found_inf flag per optimizer ...]. update() reads and zeroes the
+        # flags in its one launch; step() copies scale and a flag to the host in one read.
+        buffer = torch.zeros(1 + FOUND_INF_SLOTS, dtype=torch.float32, device=dev)
+        buffer[:1].copy_(self._scale)
+        self._scale = buffer[0]
+        self._scale_and_flags = buffer
+        self._found_slots = list(buffer[1:].unbind())
+        self._slots_taken = 0
         self._hysteresis_tracker_state = torch.full((), self._init_hysteresis_tracker,
                                                     dtype=torch.int32, device=dev)
         self._skipped_steps_t = torch.full((), self._init_skipped_steps, dtype=torch.int64,
@@ -70,6 +86,26 @@ class ScalerStateMixin:
             if params.is_cuda:  # stream-ordered upload that does not block the host
                 values = values.pin_memory()
             params.copy_(values, non_blocking=True)
+
+    def _found_inf_flag(self, state: dict[str, Any]) -> torch.Tensor:
+        """A zeroed 0-d float32 found_inf for this optimizer's iteration, on the scale's
+        device: its own slot of the flag buffer (the same one again, re-zeroed, if it asks
+        twice), or a fresh tensor past the slots."""
+        flag = state.get("found_inf_slot")
+        if flag is not None:  # checked twice in one iteration: start again from 0
+            return flag.zero_()
+        if self._slots_taken < FOUND_INF_SLOTS - 1:
+            flag = self._found_slots[self._slots_taken]
+            self._slots_taken += 1
+        else:
+            flag = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        state["found_inf_slot"] = flag
+        return flag
+
+    def _reset_iteration(self) -> None:
+        """Forget this iteration's per-optimizer states; the flags are zero again."""
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._slots_taken = 0
 
     @property
     def policy(self) -> ScalePolicy:
@@ -194,7 +230,9 @@ class ScalerStateMixin:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_init_skipped_steps"] = self.skipped_steps
             for key in ("_hysteresis_tracker_state", "_skipped_steps_t", "_last_step_skipped",
-                        "_params_t"):
+                        "_params_t", "_scale_and_flags"):
                 state[key] = None
+            state["_found_slots"] = []
+            state["_slots_taken"] = 0
         state["_process_group"] = None  # process groups do not pickle; set it again after load
         return state

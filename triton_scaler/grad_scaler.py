@@ -8,18 +8,17 @@ import functools
 import inspect
 import math
 import warnings
-from collections import defaultdict
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
+from torch.amp.grad_scaler import OptState
 
 from . import ops
 from ._arguments import check_device, check_outputs, check_process_group
 from ._backend import Backend, check_backend
 from ._clip import ClipMixin
 from ._distributed import agree_over_meshes
-from ._grads import grad_groups
+from ._grads import PerDevice, grad_groups
 from ._state import ScalerStateMixin
 from .policy import ScalePolicy, check_scale_value
 
@@ -125,14 +124,18 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
 
     def _unscale_or_check(self, optimizer, inv_scale, found_inf, allow_fp16, *, write):
         """Group the optimizer's grads by (device, dtype), as torch does, and run one fused op
-        per group and one per gradient bucket. Returns found_inf per device."""
-        per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
-        per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        per group and one per gradient bucket. ``inv_scale`` None: the kernels form it from
+        the scale. Returns found_inf per device."""
+        from_scale = inv_scale is None
+        per_device_inv_scale = PerDevice(self._scale if from_scale else inv_scale)
+        per_device_found_inf = PerDevice(found_inf)
         with torch.no_grad():
             groups, mesh_groups = grad_groups(optimizer, allow_fp16, self._backend)
-            for device, grads in groups:
-                ops.unscale_group_(grads, per_device_found_inf.get(device),
-                                   per_device_inv_scale.get(device), self._backend, write)
+            for group in groups:
+                device = group.device
+                ops.unscale_group_(group.grads, per_device_found_inf.get(device),
+                                   per_device_inv_scale.get(device), self._backend, write,
+                                   from_scale=from_scale, group=group)
             if mesh_groups:
                 agree_over_meshes(per_device_found_inf._per_device_tensors, mesh_groups)
         if not groups and self._process_group is not None:
@@ -149,8 +152,8 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         if not self._enabled:
             return
         state = self._ready_to_unscale(optimizer, "unscale_")
-        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
-        per_device = self._unscale_grads_(optimizer, self._inv_scale(), found_inf, False)
+        per_device = self._unscale_or_check(optimizer, None, self._found_inf_flag(state),
+                                            False, write=True)
         state["found_inf_per_device"] = per_device
         state["stage"] = OptState.UNSCALED
         if per_device:  # none: torch raises in step(), not here
@@ -170,11 +173,10 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """Read-only inf/NaN check of the optimizer's grads (the fused-optimizer route)."""
-        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        self._check_scale_growth_tracker("_check_inf_per_device")
         state = self._per_optimizer_states[id(optimizer)]
         state["found_inf_per_device"] = self._unscale_or_check(
-            optimizer, self._inv_scale(), found_inf, True, write=False)
+            optimizer, None, self._found_inf_flag(state), True, write=False)
         state.pop("found_inf_agreed", None)
         return state["found_inf_per_device"]
 
@@ -184,7 +186,8 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         agreed = state.get("found_inf_agreed")
         if agreed is not None:
             return agreed
-        values = [t.to(self._scale.device, non_blocking=True)
+        device = self._scale.device
+        values = [t if t.device == device else t.to(device, non_blocking=True)
                   for t in state["found_inf_per_device"].values()]
         if not values:
             raise AssertionError("No inf checks were recorded for this optimizer.")
@@ -197,15 +200,24 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
             state["found_inf_per_device"] = {agreed.device: agreed}
         state["found_inf_agreed"] = agreed
         if start_host_copy and agreed.is_cuda:
-            # Start the device-to-host copy of (found_inf, scale) now, so step()'s one read
+            # Start the device-to-host copy of (scale, found_inf) now, so step()'s one read
             # overlaps Python work; the scale rides along for the underflow warning.
-            host = torch.empty(2, dtype=torch.float32, pin_memory=True)
-            host[0].copy_(agreed, non_blocking=True)
-            host[1].copy_(self._scale, non_blocking=True)
+            span, index = self._host_read_span(agreed)
+            host = torch.empty(span.numel(), dtype=torch.float32, pin_memory=True)
+            host.copy_(span, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            state["found_inf_host"] = (host, event)
+            state["found_inf_host"] = (host, event, index)
         return agreed
+
+    def _host_read_span(self, agreed: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A device tensor holding the scale at 0 and ``agreed`` at the returned index: a
+        prefix of the [scale, flags...] buffer when ``agreed`` is one of its flags (no op),
+        else a stack of the two."""
+        for index, slot in enumerate(self._found_slots, start=1):
+            if agreed is slot:
+                return self._scale_and_flags[:index + 1], index
+        return torch.stack([self._scale.to(agreed.device), agreed]), 1
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
         if not self._policy.skip_on_overflow:
@@ -214,13 +226,13 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         host = optimizer_state.get("found_inf_host")
         if host is not None:
             host[1].synchronize()
-            flags = host[0]
+            values, index = host[0], host[2]
         else:
-            flags = torch.stack([agreed, self._scale.to(agreed.device)])
-        found, scale = flags.tolist()  # the one host sync of the plain route, as torch
-        if not found:
+            values, index = self._host_read_span(agreed)
+        values = values.tolist()  # the one host sync of the plain route, as torch
+        if not values[index]:
             return optimizer.step(*args, **kwargs)
-        self._warn_if_underflowed(scale)
+        self._warn_if_underflowed(values[0])
         return None
 
     @_eager_under_compile
@@ -285,39 +297,38 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
             if not isinstance(new_scale, torch.Tensor):  # torch's checks for a tensor
                 new_scale = check_scale_value("new_scale", new_scale, self._policy)
                 scale.fill_(new_scale)
-                self._per_optimizer_states = defaultdict(
-                    torch.amp.grad_scaler._refresh_per_optimizer_state)
-                return
-            super().update(new_scale)
+            else:
+                super().update(new_scale)
+            self._scale_and_flags[1:].zero_()
+            self._reset_iteration()
             return
         states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
         if not states:
             raise AssertionError("No inf checks were recorded prior to update.")
-        flags = [self._agree_found_inf(s) for s in states]
-        found_inf = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
-        skipped = found_inf != 0
+        extra = self._found_slots[-1]
+        for state in states:
+            agreed = self._agree_found_inf(state)
+            if agreed is not state.get("found_inf_slot"):  # rare: fold it into the last flag
+                torch.maximum(extra, (agreed != 0).float(), out=extra)
         policy = self._policy
-        if policy.skip_on_overflow:
-            self._last_step_skipped.copy_(skipped)
-            self._skipped_steps_t.add_(skipped)
-        at_min_scale = False
-        if policy.dynamic:
-            if policy.raise_at_min_scale:
-                at_min_scale = self._backs_off_at_min_scale(skipped)
-            ops.update_with_policy_(scale, growth_tracker, found_inf, policy,
-                                    hysteresis_tracker=self._hysteresis_tracker_t,
-                                    backend=self._backend, params=self._params_t)
-        self._per_optimizer_states = defaultdict(torch.amp.grad_scaler._refresh_per_optimizer_state)
+        at_min_scale = policy.dynamic and policy.raise_at_min_scale \
+            and self._backs_off_at_min_scale()
+        # One launch: combine the flags, record the skip, update the scale, zero the flags.
+        ops.scaler_update_(scale, growth_tracker, self._scale_and_flags[1:], policy,
+                           hysteresis_tracker=self._hysteresis_tracker_t,
+                           skipped=self._last_step_skipped, skipped_count=self._skipped_steps_t,
+                           backend=self._backend, params=self._params_t)
+        self._reset_iteration()
         if at_min_scale:  # raised after the update is complete: the scaler stays usable
             raise MinScaleReachedError(
                 f"Current loss scale already at minimum ({policy.min_scale}) - cannot decrease "
                 "scale anymore (raise_at_min_scale=True). The step was skipped and the update "
                 "is complete; the scaler can go on if this error is caught.")
 
-    def _backs_off_at_min_scale(self, skipped: torch.Tensor) -> bool:
-        """Whether this overflow backs off with the scale already at ``min_scale`` (one host
-        read, documented on ``raise_at_min_scale``)."""
-        backs_off = skipped
+    def _backs_off_at_min_scale(self) -> bool:
+        """Whether this iteration's overflow backs off with the scale already at
+        ``min_scale`` (one host read, documented on ``raise_at_min_scale``)."""
+        backs_off = (self._scale_and_flags[1:] != 0).any()
         if self._hysteresis_tracker_t is not None:
             backs_off = backs_off & (self._hysteresis_tracker_t <= 1)
         return bool((backs_off & (self._scale <= self._policy.min_scale)).item())

@@ -74,17 +74,53 @@ def _group_grads(grads: list[torch.Tensor], device: torch.device):
 
 
 def unscale_group_(grads: list[torch.Tensor], found_inf: torch.Tensor,
-                   inv_scale: torch.Tensor, backend: str, write: bool) -> None:
+                   inv_scale: torch.Tensor, backend: str, write: bool, *,
+                   from_scale: bool = False, group: object = None) -> None:
     """Unscale (or only check) grads of one device and dtype, with no argument checks: the
-    caller (GradScaler, which groups grads as torch does) guarantees them."""
+    caller (GradScaler, which groups grads as torch does) guarantees them. ``from_scale``:
+    ``inv_scale`` is the scale itself, whose reciprocal is formed as torch forms it. ``group``:
+    the grads' :class:`GradGroup`, whose ``plan`` (when set) is the launch's host work, built
+    by the caller, which guarantees it matches the grads."""
     if resolve_backend(backend, found_inf.device) == "triton":
-        from triton_scaler.kernels import launch_unscale
+        from triton_scaler.kernels import launch_unscale, plan_unscale
 
-        launch_unscale(grads, found_inf, inv_scale, write=write)
-    elif write:
+        if group is not None:
+            grads = group.plan or plan_unscale(grads, group.numels, group.addresses)
+        launch_unscale(grads, found_inf, inv_scale, write=write, inv_from_scale=from_scale)
+        return
+    if from_scale:
+        inv_scale = inv_scale.double().reciprocal().float()
+    if write:
         reference.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
     else:
         reference.check_(grads, found_inf, inv_scale)
+
+
+def scaler_update_(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
+                   policy: ScalePolicy, *, hysteresis_tracker: torch.Tensor | None,
+                   skipped: torch.Tensor, skipped_count: torch.Tensor, backend: str,
+                   params: torch.Tensor | None) -> None:
+    """The whole of :meth:`GradScaler.update` on the device: an overflow is any non-zero
+    entry of ``flags`` (1-D fp32, one per optimizer); it is recorded in ``skipped`` (0-d bool)
+    and ``skipped_count`` (0-d int64) when ``policy.skip_on_overflow``, the scale is updated
+    when ``policy.dynamic``, and ``flags`` is zeroed. One launch on Triton; no host sync."""
+    if resolve_backend(backend, scale.device) == "triton":
+        from triton_scaler.kernels import launch_update_scale
+
+        launch_update_scale(
+            scale, growth_tracker, flags,
+            policy.kernel_params(scale.device) if params is None else params,
+            hysteresis_tracker, policy.consecutive_hysteresis, dynamic=policy.dynamic,
+            skipped=skipped if policy.skip_on_overflow else None,
+            skipped_count=skipped_count, reset_found=True)
+        return
+    found = (flags != 0).any()
+    if policy.skip_on_overflow:
+        skipped.copy_(found)
+        skipped_count.add_(found)
+    if policy.dynamic:
+        reference.update_scale_(scale, growth_tracker, found.float(), policy, hysteresis_tracker)
+    flags.zero_()
 
 
 def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
