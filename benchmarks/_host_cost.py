@@ -12,8 +12,8 @@ launches it issues. Here both scalers run on CPU tensors with their device work 
 
 Every other tensor op the scaler issues still runs (it is host work too) and is counted by a
 dispatch mode in a separate, untimed step: ``kernels`` + ``other_ops`` = device launches per
-step. A real backward (untimed) writes every grad before each step, so GradBuckets' hooks and
-``zero_grad`` behave as in training.
+step (the optimizer's profiling records excluded). See ``GRAD_MODES`` for how the grads change
+between steps.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import gc
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -98,10 +98,19 @@ class _NoStepFused(_NoStep):
     _step_supports_amp_scaling = True  # the fused-optimizer route (grad_scale / found_inf)
 
 
+#: How the grads change between two timed steps (untimed):
+#: ``same``: the same grad tensors (``zero_grad(set_to_none=False)``, or GradBuckets);
+#: ``new_tensors``: new grad tensors at the same addresses (``zero_grad()`` + backward on a
+#: GPU, whose caching allocator hands the same blocks back in the same order);
+#: ``new_memory``: new grad tensors at new addresses (the worst case: every cache misses).
+GRAD_MODES = ("same", "new_tensors", "new_memory")
+
+
 def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = False,
-              set_to_none: bool = True):
-    """(backward, step): ``backward()`` (untimed) zeroes and writes every grad through
-    autograd; ``step()`` is the timed ``scale -> unscale_ -> step -> update``."""
+              grads: str = "same"):
+    """(prepare, step): ``step()`` is the timed ``scale -> unscale_ -> step -> update``;
+    ``prepare()`` (untimed) renews the grads as ``grads`` says. One real backward first
+    writes every grad through autograd (GradBuckets' hooks fire)."""
     from triton_scaler import GradBuckets, GradScaler
 
     torch.manual_seed(0)
@@ -109,85 +118,87 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
     opt = (_NoStepFused if fused else _NoStep)(params, lr=0.0)
     opt.step = _no_step  # the instance's own: no torch wrapper (profiling hooks) around it
-    bucketed = GradBuckets(opt) if buckets else None
+    if buckets:
+        GradBuckets(opt)
     scaler = (torch.amp.GradScaler("cpu") if impl == "torch"
               else GradScaler("cpu", backend="triton"))
     loss = torch.ones(())
-    unscale_ = fused is False  # fused optimizers unscale inside their own step
+    torch.stack([p[:1] for p in params]).sum().backward()
 
-    def backward() -> None:
-        if bucketed is not None:
-            bucketed.zero_()
-        else:
-            opt.zero_grad(set_to_none=set_to_none)
-        total = torch.stack([p[:1] for p in params]).sum()
-        total.backward()
-        # Small ops, untimed: the CPU backward just wrote every grad (~160 MB at 10,000
-        # parameters) and freed its graph; the first small allocations after it fault in
-        # fresh heap pages (~1 ms), in both scalers alike. On a GPU the backward runs on the
-        # device and the host allocator is not disturbed.
-        for _ in range(64):
-            torch.ones(()).mul(2.0)
+    def prepare() -> None:
+        if grads == "new_tensors":
+            for p in params:
+                p.grad = p.grad.detach()  # a new tensor over the same memory
+        elif grads == "new_memory":
+            for p in params:
+                p.grad = p.grad.clone()
+            _settle()
 
     def step() -> None:
         scaler.scale(loss)
-        if unscale_:
+        if not fused:  # fused optimizers unscale inside their own step
             scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
-    return backward, step
+    return prepare, step
 
 
-def measure(impl: str, n_params: int, repeats: int = 15, **flags) -> dict:
+def _settle() -> None:
+    """Small ops, untimed: after ~160 MB of fresh grads on the CPU, the first small
+    allocations fault in heap pages (~0.5 ms), whichever scaler comes next. On a GPU the grads
+    live on the device and the host allocator is not disturbed."""
+    for _ in range(64):
+        torch.ones(()).mul(2.0)
+
+
+def measure(impl: str, n_params: int, repeats: int = 21, **flags) -> dict:
     """Median host seconds per step and launches per step (kernels and other ops)."""
     with noop_launches() as counts:
-        backward, step = make_step(impl, n_params, **flags)
-        backward()
+        prepare, step = make_step(impl, n_params, **flags)
+        _settle()
         step()  # warm-up: caches, lazy init
         times = []
         for _ in range(repeats):
-            backward()
+            prepare()
             gc.collect()
-            gc.disable()  # a collection of the backward's garbage is not the step's cost
+            gc.disable()  # a collection of unrelated garbage is not the step's cost
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
             gc.enable()
-        backward()
+        prepare()
         counts.clear()
         with _CountOps() as mode:
             step()
+    ops = {k: v for k, v in mode.ops.items() if not k.startswith("_record_function")}
     return {"seconds": statistics.median(times), "kernels": sum(counts.values()),
-            "other_ops": sum(mode.ops.values()), "ops": dict(mode.ops)}
+            "other_ops": sum(ops.values()), "ops": ops}
 
 
 CASES: list[tuple[str, dict]] = [
-    ("torch", {}), ("torch", {"set_to_none": False}),
-    ("ours", {}), ("ours", {"set_to_none": False}), ("ours", {"buckets": True}),
-    ("torch", {"fused": True}), ("ours", {"fused": True}),
-    ("ours", {"fused": True, "buckets": True}),
+    ("torch", {"grads": "same"}), ("ours", {"grads": "same"}),
+    ("torch", {"grads": "new_tensors"}), ("ours", {"grads": "new_tensors"}),
+    ("torch", {"grads": "new_memory"}), ("ours", {"grads": "new_memory"}),
+    ("ours", {"buckets": True}),
+    ("torch", {"fused": True}), ("ours", {"fused": True}), ("ours", {"fused": True, "buckets": True}),
 ]
 
 
 def label(impl: str, flags: dict) -> str:
-    parts = [impl + ("+buckets" if flags.get("buckets") else "")]
-    parts.append("fused" if flags.get("fused") else "plain")
-    if not flags.get("buckets"):
-        parts.append("zero_grad(set_to_none=False)" if flags.get("set_to_none") is False
-                     else "zero_grad()")
-    return ", ".join(parts)
+    name = impl + ("+buckets" if flags.get("buckets") else "")
+    route = "fused" if flags.get("fused") else "plain"
+    return f"{name}, {route}" + ("" if flags.get("buckets") else f", grads {flags.get('grads', 'same')}")
 
 
-def main(sizes: tuple[int, ...] = (100, 1000, 10000)) -> Callable | None:
+def main(sizes: tuple[int, ...] = (100, 1000, 10000)) -> None:
     print(f"host time per step (scale+unscale_+step+update), no-op launches, "
-          f"torch {torch.__version__}")
-    print(f"{'params':>7} | {'case':<52} | {'host us':>9} | {'kernels':>7} | {'other ops':>9}")
+          f"torch {torch.__version__}, median of 21 steps")
+    print("| params | case | host us | kernels | other ops |\n|---|---|---|---|---|")
     for n in sizes:
         for impl, flags in CASES:
             r = measure(impl, n, **flags)
-            print(f"{n:>7} | {label(impl, flags):<52} | {r['seconds'] * 1e6:>9.1f} | "
-                  f"{r['kernels']:>7} | {r['other_ops']:>9}")
-    return None
+            print(f"| {n} | {label(impl, flags)} | {r['seconds'] * 1e6:.0f} | "
+                  f"{r['kernels']} | {r['other_ops']} |", flush=True)
 
 
 if __name__ == "__main__":

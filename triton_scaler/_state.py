@@ -94,12 +94,14 @@ class ScalerStateMixin:
         flag = state.get("found_inf_slot")
         if flag is not None:  # checked twice in one iteration: start again from 0
             return flag.zero_()
-        if self._slots_taken < FOUND_INF_SLOTS - 1:
+        in_buffer = self._slots_taken < FOUND_INF_SLOTS - 1
+        if in_buffer:
             flag = self._found_slots[self._slots_taken]
             self._slots_taken += 1
-        else:
+        else:  # update() folds it into the last slot
             flag = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         state["found_inf_slot"] = flag
+        state["found_inf_in_buffer"] = in_buffer
         return flag
 
     def _reset_iteration(self) -> None:

@@ -272,9 +272,11 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         if state["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
         scale = self._get_scale_async()
-        optimizer.grad_scale = (getattr(optimizer, "grad_scale", None)
-                                if state["stage"] is OptState.UNSCALED
-                                else scale * getattr(optimizer, "grad_scale", 1))
+        own = getattr(optimizer, "grad_scale", None)
+        if state["stage"] is OptState.UNSCALED:
+            optimizer.grad_scale = own
+        else:  # the scale itself when the optimizer has none of its own (torch: scale * 1)
+            optimizer.grad_scale = scale if own is None else scale * own
         found_inf = self._agree_found_inf(state)
         optimizer.found_inf = (found_inf if self._policy.skip_on_overflow
                                else torch.zeros_like(found_inf))
@@ -308,7 +310,8 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         extra = self._found_slots[-1]
         for state in states:
             agreed = self._agree_found_inf(state)
-            if agreed is not state.get("found_inf_slot"):  # rare: fold it into the last flag
+            if agreed is not state.get("found_inf_slot") or not state.get("found_inf_in_buffer"):
+                # rare (a ninth optimizer, several devices): fold it into the last flag
                 torch.maximum(extra, (agreed != 0).float(), out=extra)
         policy = self._policy
         at_min_scale = policy.dynamic and policy.raise_at_min_scale \

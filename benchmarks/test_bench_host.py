@@ -1,0 +1,37 @@
+"""Host cost of a scaler step (scale -> unscale_ -> step -> update) with every device launch
+a counting no-op: triton_scaler against torch.amp.GradScaler at 100 / 1,000 / 10,000
+parameters, with and without GradBuckets; launches per step recorded (see _host_cost.py).
+
+Runs on CPU (no GPU needed): the host path is the same Python either way. The table in
+RESULTS.md comes from ``python benchmarks/_host_cost.py`` (medians of one process)."""
+
+import gc
+
+import pytest
+from _bench_common import FULL
+from _host_cost import CASES, label, make_step, noop_launches
+
+SIZES = [100, 1000, 10000] if FULL else [100, 1000]
+
+
+@pytest.mark.parametrize("n_params", SIZES)
+@pytest.mark.parametrize("impl, flags", CASES, ids=[label(i, f) for i, f in CASES])
+def test_host_cost(benchmark, n_params, impl, flags):
+    with noop_launches() as counts:
+        prepare, step = make_step(impl, n_params, **flags)
+        step()
+        prepare()
+        counts.clear()
+        step()
+        launches = sum(counts.values())
+        benchmark.extra_info.update(case="host", n_params=n_params, impl=label(impl, flags),
+                                    kernels=launches)
+
+        def setup():
+            prepare()
+            gc.collect()
+
+        benchmark.pedantic(step, setup=setup, rounds=1 if not benchmark.enabled else 21,
+                           warmup_rounds=0)
+    # the scaler's own kernels per step: one unscale (or check) per group, one update
+    assert launches == 2, counts
