@@ -24,7 +24,6 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-@functools.cache
 def triton_interpreting() -> bool:
     """Whether Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1`` was set
     before triton_scaler's kernels were first imported)."""

@@ -93,7 +93,8 @@ class Amp:
             return
         for opt in optimizers:
             scaler.unscale_(opt)
-        flags = [scaler._agree_found_inf(scaler._per_optimizer_states[id(opt)])
+        # copies: update() zeroes the scaler's found_inf flags for the next iteration
+        flags = [scaler._agree_found_inf(scaler._per_optimizer_states[id(opt)]).clone()
                  for opt in optimizers]
         scaler.update()
         if self._dynamic:
