@@ -111,13 +111,13 @@ def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str
     if any(held is not ids for held, ids in helds):  # some grads are outside their bucket
         covered = frozenset().union(*(held for held, _ in helds))
         outside = [p for p in layout.params if id(p) not in covered]
-        groups, mesh_groups = _groups_slow(outside, allow_fp16, backend, flat=[])
+        groups, mesh_groups = _groups_slow(outside, allow_fp16, backend)
         return flat + groups, mesh_groups
     if not layout.outside:
         return flat, {}
     groups = _groups_fast(layout, allow_fp16, backend)
     if groups is None:
-        groups, mesh_groups = _groups_slow(layout.outside, allow_fp16, backend, flat=[])
+        groups, mesh_groups = _groups_slow(layout.outside, allow_fp16, backend)
         return flat + groups, mesh_groups
     return flat + groups, {}
 
@@ -159,7 +159,7 @@ def _groups_fast(layout: _Layout, allow_fp16: bool, backend: str) -> list[GradGr
     return groups
 
 
-def _groups_slow(params, allow_fp16: bool, backend: str, flat: list):
+def _groups_slow(params, allow_fp16: bool, backend: str):
     """Per-parameter grouping (any grads: None, sparse, DTensor, mixed)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     fp16, plain = torch.float16, torch.Tensor
@@ -180,8 +180,7 @@ def _groups_slow(params, allow_fp16: bool, backend: str, flat: list):
                 param.grad = grad = grad.coalesce()
             grad = grad._values()
         groups[grad.device, dtype].append(grad)
-    for (device, dtype), grads in groups.items():
+    for device, dtype in groups:
         if dtype not in ops.FLOAT_DTYPES:
             ops.check_grad_dtype(f"a gradient on {device}", dtype)
-        flat.append(GradGroup(device, grads))
-    return flat, mesh_groups
+    return [GradGroup(device, grads) for (device, _), grads in groups.items()], mesh_groups

@@ -94,15 +94,23 @@ class ScalerStateMixin:
         flag = state.get("found_inf_slot")
         if flag is not None:  # checked twice in one iteration: start again from 0
             return flag.zero_()
-        in_buffer = self._slots_taken < FOUND_INF_SLOTS - 1
-        if in_buffer:
+        index = 0  # its position in the [scale, flags...] buffer; 0: not in it
+        if self._slots_taken < FOUND_INF_SLOTS - 1:
             flag = self._found_slots[self._slots_taken]
             self._slots_taken += 1
+            index = self._slots_taken
         else:  # update() folds it into the last slot
             flag = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         state["found_inf_slot"] = flag
-        state["found_inf_in_buffer"] = in_buffer
+        state["found_inf_index"] = index
         return flag
+
+    @staticmethod
+    def _buffer_index(state: dict[str, Any], agreed: torch.Tensor) -> int:
+        """Where ``agreed`` sits in the [scale, flags...] buffer: its slot's position when it
+        is the optimizer's own slot, 0 when it is another tensor (several devices, past the
+        slots)."""
+        return state.get("found_inf_index", 0) if agreed is state.get("found_inf_slot") else 0
 
     def _reset_iteration(self) -> None:
         """Forget this iteration's per-optimizer states; the flags are zero again."""

@@ -202,7 +202,7 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         if start_host_copy and agreed.is_cuda:
             # Start the device-to-host copy of (scale, found_inf) now, so step()'s one read
             # overlaps Python work; the scale rides along for the underflow warning.
-            span, index = self._host_read_span(agreed)
+            span, index = self._host_read_span(state, agreed)
             host = torch.empty(span.numel(), dtype=torch.float32, pin_memory=True)
             host.copy_(span, non_blocking=True)
             event = torch.cuda.Event()
@@ -210,13 +210,14 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
             state["found_inf_host"] = (host, event, index)
         return agreed
 
-    def _host_read_span(self, agreed: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _host_read_span(self, state: dict[str, Any],
+                        agreed: torch.Tensor) -> tuple[torch.Tensor, int]:
         """A device tensor holding the scale at 0 and ``agreed`` at the returned index: a
         prefix of the [scale, flags...] buffer when ``agreed`` is one of its flags (no op),
         else a stack of the two."""
-        for index, slot in enumerate(self._found_slots, start=1):
-            if agreed is slot:
-                return self._scale_and_flags[:index + 1], index
+        index = self._buffer_index(state, agreed)
+        if index:
+            return self._scale_and_flags[:index + 1], index
         return torch.stack([self._scale.to(agreed.device), agreed]), 1
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
@@ -228,7 +229,7 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
             host[1].synchronize()
             values, index = host[0], host[2]
         else:
-            values, index = self._host_read_span(agreed)
+            values, index = self._host_read_span(optimizer_state, agreed)
         values = values.tolist()  # the one host sync of the plain route, as torch
         if not values[index]:
             return optimizer.step(*args, **kwargs)
@@ -310,7 +311,7 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         extra = self._found_slots[-1]
         for state in states:
             agreed = self._agree_found_inf(state)
-            if agreed is not state.get("found_inf_slot") or not state.get("found_inf_in_buffer"):
+            if not self._buffer_index(state, agreed):
                 # rare (a ninth optimizer, several devices): fold it into the last flag
                 torch.maximum(extra, (agreed != 0).float(), out=extra)
         policy = self._policy
