@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -151,28 +152,62 @@ def _settle() -> None:
         torch.ones(()).mul(2.0)
 
 
-def measure(impl: str, n_params: int, repeats: int = 21, **flags) -> dict:
-    """Median host seconds per step and launches per step (kernels and other ops)."""
+def _counted(impl: str, n_params: int, **flags) -> dict:
+    """Launches per step (kernels and other ops) of one scaler, in an untimed step."""
     with noop_launches() as counts:
         prepare, step = make_step(impl, n_params, **flags)
-        _settle()
         step()  # warm-up: caches, lazy init
-        times = []
-        for _ in range(repeats):
-            prepare()
-            gc.collect()
-            gc.disable()  # a collection of unrelated garbage is not the step's cost
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-            gc.enable()
         prepare()
         counts.clear()
         with _CountOps() as mode:
             step()
     ops = {k: v for k, v in mode.ops.items() if not k.startswith("_record_function")}
-    return {"seconds": statistics.median(times), "kernels": sum(counts.values()),
-            "other_ops": sum(ops.values()), "ops": ops}
+    return {"kernels": sum(counts.values()), "other_ops": sum(ops.values()), "ops": ops}
+
+
+def measure_pair(n_params: int, ours: dict, torch_flags: dict, repeats: int = 30,
+                 cold: bool = False) -> dict:
+    """Both scalers built side by side and timed in the same process, so that both see the
+    same machine state: median seconds per step of each and the median of the per-step
+    ratios ours / torch. ``cold=False``: each scaler's steps back to back (warm CPU caches),
+    in alternating blocks; ``cold=True``: a 64 MB pass evicts the CPU caches before every
+    step (as a training step's forward and backward do), the two scalers alternating."""
+    with noop_launches():
+        pairs = [make_step("ours", n_params, **ours),
+                 make_step("torch", n_params, **torch_flags)]
+        _settle()
+        for _, step in pairs:
+            step()
+        ours_times, torch_times = _timed(pairs, repeats, cold)
+    return {"ours": statistics.median(ours_times), "torch": statistics.median(torch_times),
+            "ratio": statistics.median(a / b for a, b in zip(ours_times, torch_times)),
+            "ours_counts": _counted("ours", n_params, **ours),
+            "torch_counts": _counted("torch", n_params, **torch_flags)}
+
+
+_EVICT = 64 * 2**20 // 4  # float32 elements: larger than any CPU cache
+
+
+def _timed(pairs, repeats: int, cold: bool) -> list[list[float]]:
+    """Per (prepare, step): the host seconds of ``repeats`` steps (see measure_pair)."""
+    times: list[list[float]] = [[] for _ in pairs]
+    evict = torch.zeros(_EVICT) if cold else None
+    blocks, per_block = (repeats, 1) if cold else (3, repeats // 3)
+    gc.collect()
+    gc.disable()  # a collection of unrelated garbage is not the step's cost
+    try:
+        for _ in range(blocks):
+            for (prepare, step), out in zip(pairs, times):
+                for _ in range(per_block):
+                    prepare()
+                    if evict is not None:
+                        evict.add_(1.0)
+                    start = time.perf_counter()
+                    step()
+                    out.append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    return times
 
 
 CASES: list[tuple[str, dict]] = [
@@ -183,6 +218,16 @@ CASES: list[tuple[str, dict]] = [
     ("torch", {"fused": True}), ("ours", {"fused": True}), ("ours", {"fused": True, "buckets": True}),
 ]
 
+#: (row, ours, torch): each of ours against torch's nearest case (torch has no buckets)
+PAIRS: list[tuple[str, dict, dict]] = [
+    ("plain, grads same", {"grads": "same"}, {"grads": "same"}),
+    ("plain, grads new_tensors", {"grads": "new_tensors"}, {"grads": "new_tensors"}),
+    ("plain, grads new_memory", {"grads": "new_memory"}, {"grads": "new_memory"}),
+    ("plain, GradBuckets (torch: grads same)", {"buckets": True}, {"grads": "same"}),
+    ("fused, grads same", {"fused": True}, {"fused": True}),
+    ("fused, GradBuckets (torch: grads same)", {"fused": True, "buckets": True}, {"fused": True}),
+]
+
 
 def label(impl: str, flags: dict) -> str:
     name = impl + ("+buckets" if flags.get("buckets") else "")
@@ -191,15 +236,22 @@ def label(impl: str, flags: dict) -> str:
 
 
 def main(sizes: tuple[int, ...] = (100, 1000, 10000)) -> None:
-    print(f"host time per step (scale+unscale_+step+update), no-op launches, "
-          f"torch {torch.__version__}, median of 21 steps")
-    print("| params | case | host us | kernels | other ops |\n|---|---|---|---|---|")
+    print(f"host time per step (scale+unscale_+step+update), no-op launches, torch "
+          f"{torch.__version__}; medians of 30 steps; warm: steps back to back, cold: CPU "
+          f"caches evicted before each step")
+    print("| params | case | ours warm us | torch warm us | ratio warm | ours cold us "
+          "| torch cold us | ratio cold | ours kernels + other ops | torch kernels + other ops "
+          "|\n|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
-        for impl, flags in CASES:
-            r = measure(impl, n, **flags)
-            print(f"| {n} | {label(impl, flags)} | {r['seconds'] * 1e6:.0f} | "
-                  f"{r['kernels']} | {r['other_ops']} |", flush=True)
+        for row, ours, theirs in PAIRS:
+            w = measure_pair(n, ours, theirs)
+            c = measure_pair(n, ours, theirs, cold=True)
+            oc, tc = w["ours_counts"], w["torch_counts"]
+            print(f"| {n} | {row} | {w['ours'] * 1e6:.0f} | {w['torch'] * 1e6:.0f} | "
+                  f"{w['ratio']:.2f} | {c['ours'] * 1e6:.0f} | {c['torch'] * 1e6:.0f} | "
+                  f"{c['ratio']:.2f} | {oc['kernels']} + {oc['other_ops']} | "
+                  f"{tc['kernels']} + {tc['other_ops']} |", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    main(tuple(int(a) for a in sys.argv[1:]) or (100, 1000, 10000))

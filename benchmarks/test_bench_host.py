@@ -3,9 +3,8 @@ a counting no-op: triton_scaler against torch.amp.GradScaler at 100 / 1,000 / 10
 parameters, with and without GradBuckets; launches per step recorded (see _host_cost.py).
 
 Runs on CPU (no GPU needed): the host path is the same Python either way. The table in
-RESULTS.md comes from ``python benchmarks/_host_cost.py`` (medians of one process)."""
-
-import gc
+RESULTS.md comes from ``python benchmarks/_host_cost.py``, which times both scalers
+alternately in one process (here each case is its own test)."""
 
 import pytest
 from _bench_common import FULL
@@ -27,11 +26,7 @@ def test_host_cost(benchmark, n_params, impl, flags):
         benchmark.extra_info.update(case="host", n_params=n_params, impl=label(impl, flags),
                                     kernels=launches)
 
-        def setup():
-            prepare()
-            gc.collect()
-
-        benchmark.pedantic(step, setup=setup, rounds=1 if not benchmark.enabled else 21,
+        benchmark.pedantic(step, setup=prepare, rounds=1 if not benchmark.enabled else 21,
                            warmup_rounds=0)
     # the scaler's own kernels per step: one unscale (or check) per group, one update
     assert launches == 2, counts

@@ -247,8 +247,10 @@ class UnscalePlan:
     def template(self) -> UnscalePlan:
         return UnscalePlan(None, self.base_index, self.table, self.n, self.grid, [], True)
 
-    def rebased(self, grads: list[torch.Tensor]) -> UnscalePlan:
-        return UnscalePlan(grads[self.base_index] if self.grid else None, self.base_index,
+    def rebased(self, base: torch.Tensor | None) -> UnscalePlan:
+        """This template over a new grads list at the same addresses, whose
+        ``base_index``-th grad is ``base`` (None for a plan without elements)."""
+        return UnscalePlan(base if self.grid else None, self.base_index,
                            self.table, self.n, self.grid, [], True)
 
 

@@ -63,8 +63,7 @@ def _setup(n_params, buckets, fused=False, dtypes=(torch.float32,)):
     params = [torch.nn.Parameter(torch.randn(7 + 5 * i, dtype=dtypes[i % len(dtypes)]))
               for i in range(n_params)]
     opt = torch.optim.AdamW(params, lr=1e-3, fused=fused)
-    if buckets:
-        GradBuckets(opt)
+    bucketed = GradBuckets(opt) if buckets else None
     return params, opt
 
 
@@ -200,3 +199,89 @@ def test_no_grad_is_kept_alive_between_steps(backend):
         opt.zero_grad(set_to_none=True)
         gc.collect()
         assert all(r() is None for r in refs)
+
+
+def _train_swapping(scaler, steps=6, swap_at=2, overflow=((4, 1),), buckets=False):
+    """SGD over three parameters whose middle one is replaced in place in the optimizer's
+    parameter list (same list, same length) by a larger one at ``swap_at``."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9, 3)]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    bucketed = GradBuckets(opt) if buckets else None
+    for step in range(steps):
+        if step == swap_at:
+            opt.param_groups[0]["params"][1] = torch.nn.Parameter(torch.randn(21))
+        live = opt.param_groups[0]["params"]
+        if bucketed is not None:
+            bucketed.zero_()  # the buckets' grads; the swapped-in parameter is outside them
+        opt.zero_grad(set_to_none=False)
+        scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(live))).backward()
+        for at, i in overflow:
+            if at == step:
+                live[i].grad[-1] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+    return scaler.get_scale(), [p.detach().clone() for p in opt.param_groups[0]["params"]]
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_parameter_replaced_in_place_in_param_groups(backend, buckets):
+    """The cached layout is checked against the optimizer's live parameter objects: a
+    parameter swapped into the same list is unscaled and checked (its NaN skips the step).
+    With buckets: the swapped-out parameter receives no grad, so the per-parameter path runs
+    over the live parameters."""
+    kwargs = dict(init_scale=2.0**8, growth_interval=2)
+    expected = _train_swapping(torch.amp.GradScaler("cpu", **kwargs))
+    actual = _train_swapping(GradScaler("cpu", **kwargs, backend=backend), buckets=buckets)
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])
+
+
+def test_reused_plans_follow_the_scaler_not_the_optimizer():
+    """Two scalers with different backends on one optimizer: a plan cached by the Triton
+    scaler is not handed to the reference path (which needs the grads themselves)."""
+    if os_interpreter_missing():
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    results = []
+    for scalers in (["torch"] * 4, ["triton", "reference", "triton", "reference"]):
+        params, opt = _setup(4, buckets=False)
+        for name in scalers:
+            scaler = (torch.amp.GradScaler("cpu", init_scale=8.0) if name == "torch"
+                      else GradScaler("cpu", init_scale=8.0, backend=name))
+            opt.zero_grad(set_to_none=False)
+            scaler.scale(sum(p.square().sum() for p in params)).backward()
+            scaler.step(opt)
+            scaler.update()
+        results.append([p.detach().clone() for p in params])
+    assert_all_same(results[1], results[0])
+
+
+def _train_converting(scaler, steps=5, convert_at=2):
+    """Parameters converted in place to bf16 (``param.data = ...``, as ``module.to``) whose
+    new grads sit at the addresses of the old fp32 ones (a bf16 view of their memory): the
+    case where a cached launch plan would match every address but not the dtype."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9, 3)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    for step in range(steps):
+        if step == convert_at:
+            for p in params:
+                old, p.grad = p.grad, None
+                p.data = p.data.to(torch.bfloat16)
+                p.grad = old.view(torch.bfloat16)[: p.numel()]
+        opt.zero_grad(set_to_none=False)
+        loss = sum((p.float() * (i + 1)).square().sum() for i, p in enumerate(params))
+        scaler.scale(loss).backward()
+        if step == 3:
+            params[2].grad[-1] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    return scaler.get_scale(), [p.detach().clone() for p in params]
+
+
+def test_parameters_converted_in_place_at_the_same_addresses(backend):
+    kwargs = dict(init_scale=2.0**8, growth_interval=2)
+    expected = _train_converting(torch.amp.GradScaler("cpu", **kwargs))
+    actual = _train_converting(GradScaler("cpu", **kwargs, backend=backend))
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])

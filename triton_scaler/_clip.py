@@ -39,32 +39,35 @@ def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, fl
     return float(max_norm), float(norm)
 
 
-def _group_norms(grads, found_inf, inv_scale, norm_type: float, backend: str) -> list:
+def _group_norms(group, found_inf, scale, norm_type: float, backend: str) -> list:
     """Unscale (reference: in place now; Triton: a read pass) and return norms of the
-    unscaled grads of one device and dtype, in float32 (float64 for float64 grads): per tensor
-    on the reference path (torch's ``_foreach_norm``, as torch's clip), one for the whole group
-    on the Triton path (from the kernel's per-program partial sums)."""
+    unscaled grads of one :class:`GradGroup`, in float32 (float64 for float64 grads): per
+    tensor on the reference path (torch's ``_foreach_norm``, as torch's clip), one for the
+    whole group on the Triton path (from the kernel's per-program partial sums). ``scale``:
+    the 0-d fp32 scale on the group's device (the kernel forms its reciprocal as torch)."""
     if resolve_backend(backend, found_inf.device) == "triton":
         from triton_scaler.kernels import launch_unscale
 
-        partial = launch_unscale(grads, found_inf, inv_scale, write=False,
-                                 norm=2 if norm_type == 2.0 else -1)
+        partial = launch_unscale(group.launch_target(), found_inf, scale, write=False,
+                                 norm=2 if norm_type == 2.0 else -1, inv_from_scale=True)
         return [partial.sqrt() if norm_type == 2.0 else partial]
-    reference.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    grads = group.grads
+    reference.non_finite_check_and_unscale_(grads, found_inf, reference.inv_scale_of(scale))
     if norm_type != 2.0:  # the inf norm of an empty tensor is an error in torch
         grads = [g for g in grads if g.numel()]
     wide = torch.float64 if grads and grads[0].dtype == torch.float64 else torch.float32
     return list(torch._foreach_norm(grads, norm_type, dtype=wide)) if grads else []
 
 
-def _apply_coef(grads, found_inf, inv_scale, coef, backend: str) -> None:
+def _apply_coef(group, found_inf, scale, coef, backend: str) -> None:
     """Write pass: ``dtype(dtype(g * inv_scale) * coef)`` (reference: grads already unscaled)."""
     if resolve_backend(backend, coef.device) == "triton":
         from triton_scaler.kernels import launch_unscale
 
-        launch_unscale(grads, found_inf, inv_scale, write=True, clip_coef=coef)
+        launch_unscale(group.launch_target(), found_inf, scale, write=True, clip_coef=coef,
+                       inv_from_scale=True)
     else:
-        torch._foreach_mul_(grads, coef)
+        torch._foreach_mul_(group.grads, coef)
 
 
 class ClipMixin:
@@ -113,12 +116,13 @@ class ClipMixin:
     def _fused_clip(self, optimizer, max_norm: float, norm_type: float, found_inf):
         device = self._scale.device
         found_for = PerDevice(found_inf)
-        inv_for = PerDevice(self._inv_scale())
+        scale_for = PerDevice(self._scale)
         with torch.no_grad():
             groups, mesh_groups = grad_groups(optimizer, False, self._backend)
             norms = []  # per group, the stacked norms (one 0-d tensor per Python object: cheap)
-            for dev, grads in groups:
-                group_norms = _group_norms(grads, found_for.get(dev), inv_for.get(dev),
+            for group in groups:
+                dev = group.device
+                group_norms = _group_norms(group, found_for.get(dev), scale_for.get(dev),
                                            norm_type, self._backend)
                 if group_norms:
                     norms.append(torch.stack(group_norms).to(device))
@@ -132,8 +136,9 @@ class ClipMixin:
                      if norms else torch.zeros((), dtype=wide, device=device))
             total = self._agree_norm(total, mesh_groups, norm_type).float()
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for dev, grads in groups:
-                _apply_coef(grads, found_for.get(dev), inv_for.get(dev), coef.to(dev),
+            for group in groups:
+                dev = group.device
+                _apply_coef(group, found_for.get(dev), scale_for.get(dev), coef.to(dev),
                             self._backend)
             if mesh_groups:
                 agree_over_meshes(found_for._per_device_tensors, mesh_groups)

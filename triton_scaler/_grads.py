@@ -1,13 +1,15 @@
 """The gradients :class:`triton_scaler.GradScaler` works on, grouped as torch groups them.
 
-The grouping is cached per optimizer. A step whose optimizer, buckets and grads are those of
-the last step costs: nothing per parameter when GradBuckets hold every grad; otherwise one
-C-level pass reading the grads and one over their addresses (no per-grad Python, no hashing
-of the grads' pointers when they are the same objects at the same addresses as last time).
+The grouping is cached per optimizer and checked, each step, against the optimizer's live
+parameter objects (one identity pass; none when GradBuckets hold every parameter). A step
+whose grads are those of the last step, or new grads at the same addresses, costs: nothing
+per parameter when GradBuckets hold every grad; otherwise one C-level pass reading the grads
+and one reading their addresses, then the last step's launch plans (no hashing, no table).
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import defaultdict
 from weakref import WeakKeyDictionary
@@ -23,6 +25,7 @@ from .buckets import buckets_of
 _GRAD = operator.attrgetter("grad")
 _DTYPE_DEVICE = operator.attrgetter("dtype", "device")
 _DATA_PTR = torch.Tensor.data_ptr
+_NUMEL = torch.Tensor.numel
 
 
 class PerDevice(_MultiDeviceReplicator):
@@ -37,8 +40,8 @@ class PerDevice(_MultiDeviceReplicator):
 
 class GradGroup:
     """Grads of one device and dtype, unscaled by one launch; ``plan`` (Triton backend, when
-    known) is that launch's host work. Unpacks as ``(device, grads)``. Lives for one call: it
-    holds the grads, which must be freed by ``zero_grad(set_to_none=True)``."""
+    known) is that launch's host work. Lives for one call: it holds the grads, which
+    ``zero_grad(set_to_none=True)`` must free."""
 
     __slots__ = ("device", "grads", "numels", "addresses", "plan")
 
@@ -46,8 +49,14 @@ class GradGroup:
         self.device, self.grads, self.numels, self.addresses = device, grads, numels, addresses
         self.plan = plan
 
-    def __iter__(self):
-        return iter((self.device, self.grads))
+    def launch_target(self):
+        """What :func:`triton_scaler.kernels.launch_unscale` takes for this group: the plan,
+        built now when not known yet (Triton backend only)."""
+        if self.plan is None:
+            from triton_scaler.kernels import plan_unscale
+
+            self.plan = plan_unscale(self.grads, self.numels, self.addresses)
+        return self.plan
 
 
 class _Layout:
@@ -59,28 +68,39 @@ class _Layout:
         self.bucket_groups = [GradGroup(b.device, [b.buffer], (b.buffer.numel(),))
                               for b in self.buckets]  # the buffers live as long as the buckets
         in_buckets = frozenset().union(*(b.param_ids for b in self.buckets))
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.params = list(_live_params(optimizer))
         self.outside = [p for p in self.params if id(p) not in in_buckets]
         by_key: dict[tuple, list[int]] = defaultdict(list)
         for i, p in enumerate(self.outside):
             by_key[p.device, p.dtype].append(i)
-        # (device, dtype, picks the group's grads out of the list, their sizes)
-        self.plain_groups = [
-            (device, dtype, _picker(indices, len(self.outside)),
-             tuple(self.outside[i].numel() for i in indices))
-            for (device, dtype), indices in by_key.items()]
-        # per plain group: (the grads' addresses at the last step, its launch plan without
-        # grads) -- no grad is held, so zero_grad(set_to_none=True) frees them
-        self.plans: dict[int, tuple] = {}
+        # (device, dtype, picks the group's items out of a list over ``outside``, the index
+        # in ``outside`` of its first item)
+        self.plain_groups = [(device, dtype, _picker(indices, len(self.outside)), indices[0])
+                             for (device, dtype), indices in by_key.items()]
+        # (the scaler's backend, the grads' addresses at the last step, each plain group's
+        # launch plan without its grads) when every group had a reusable Triton plan -- no grad is held, so
+        # zero_grad(set_to_none=True) frees them
+        self.plans: tuple | None = None
+
+    def is_current(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The optimizer still holds these parameter objects. One C-level identity pass when
+        some parameters are outside gradient buckets; none otherwise (GradBuckets fixes its
+        parameters when built: rebuild the buckets after replacing a parameter)."""
+        return not self.outside or all(map(operator.is_, _live_params(optimizer),
+                                           self.params))
+
+
+def _live_params(optimizer: torch.optim.Optimizer):
+    return itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)
 
 
 def _picker(indices: list[int], total: int):
     if len(indices) == total:
         return list
     if len(indices) == 1:
-        return lambda grads, i=indices[0]: [grads[i]]
+        return lambda items, i=indices[0]: [items[i]]
     getter = operator.itemgetter(*indices)
-    return lambda grads: list(getter(grads))
+    return lambda items: list(getter(items))
 
 
 _layouts: WeakKeyDictionary = WeakKeyDictionary()
@@ -90,7 +110,7 @@ def _layout_of(optimizer: torch.optim.Optimizer) -> _Layout:
     signature = (tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups),
                  len(buckets_of(optimizer)))
     layout = _layouts.get(optimizer)
-    if layout is None or layout.signature != signature:
+    if layout is None or layout.signature != signature or not layout.is_current(optimizer):
         layout = _layouts[optimizer] = _Layout(optimizer, signature)
     return layout
 
@@ -110,52 +130,68 @@ def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str
         flat.append(group)
     if any(held is not ids for held, ids in helds):  # some grads are outside their bucket
         covered = frozenset().union(*(held for held, _ in helds))
-        outside = [p for p in layout.params if id(p) not in covered]
+        outside = [p for p in _live_params(optimizer) if id(p) not in covered]
         groups, mesh_groups = _groups_slow(outside, allow_fp16, backend)
         return flat + groups, mesh_groups
     if not layout.outside:
         return flat, {}
-    groups = _groups_fast(layout, allow_fp16, backend)
-    if groups is None:
+    groups = None
+    if allow_fp16 or not any(dtype == fp16 for _, dtype, *_ in layout.plain_groups):
+        groups = _groups_fast(layout, backend)
+    if groups is None:  # also: fp16 grads may be there, which must raise as torch's
         groups, mesh_groups = _groups_slow(layout.outside, allow_fp16, backend)
         return flat + groups, mesh_groups
     return flat + groups, {}
 
 
-def _groups_fast(layout: _Layout, allow_fp16: bool, backend: str) -> list[GradGroup] | None:
-    """The groups of ``layout.outside``'s grads with C-level passes only (the grads, their
-    types, their addresses), or None when a grad is None, not a plain dense tensor, or not of
-    its parameter's dtype and device. Grads at the addresses of the last step reuse its
-    launch plan: same parameters, same memory (torch keeps a grad's dtype and size its
-    parameter's)."""
+def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
+    """The groups of ``layout.outside``'s grads with C-level passes only, or None (the
+    per-grad path) when a grad is None, sparse, not a plain tensor, or not of its parameter's
+    dtype and device as the layout knows them.
+
+    Grads at the addresses of the last step reuse its launch plans: one pass reading the
+    grads and one reading their addresses. Same parameter objects, same memory: torch keeps
+    a grad's dtype, size and device its parameter's; a parameter converted in place
+    (``param.data = ...``, ``module.half()``) is caught through each group's first grad."""
     grads = list(map(_GRAD, layout.outside))
+    try:
+        addresses = tuple(map(_DATA_PTR, grads))
+    except (TypeError, RuntimeError):  # a None grad (no data_ptr), a sparse one
+        return None
+    plans = layout.plans
+    if plans is not None and plans[0] == backend and plans[1] == addresses:
+        groups = []
+        for (device, dtype, pick, first), template in zip(layout.plain_groups, plans[2]):
+            base = grads[first]
+            if base.dtype != dtype or base.device != device:
+                break
+            groups.append(GradGroup(device, pick(grads), plan=template.rebased(base)))
+        else:
+            return groups
+    return _groups_planned(layout, backend, grads, addresses)
+
+
+def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
+                    addresses: tuple[int, ...]) -> list[GradGroup] | None:
+    """New launch plans (a chunk table each) after checking every grad's type, dtype,
+    device and size; stored for the next step's :func:`_groups_fast`."""
     if set(map(type, grads)) != {torch.Tensor}:
         return None
-    groups = []
-    try:
-        for k, (device, dtype, pick, numels) in enumerate(layout.plain_groups):
-            members = pick(grads)
-            if dtype == torch.float16 and not allow_fp16:
-                raise ValueError("Attempting to unscale FP16 gradients.")
-            addresses = tuple(map(_DATA_PTR, members))
-            cached = layout.plans.get(k)
-            if cached is not None and cached[0] == addresses:
-                groups.append(GradGroup(device, members, numels, addresses,
-                                        cached[1].rebased(members)))
-                continue
-            if dtype not in ops.FLOAT_DTYPES or \
-                    set(map(_DTYPE_DEVICE, members)) != {(dtype, device)}:
-                return None
-            plan = None
-            if resolve_backend(backend, device) == "triton":
-                from triton_scaler.kernels import plan_unscale
-
-                plan = plan_unscale(members, numels, addresses)
-                if plan.reusable:
-                    layout.plans[k] = (addresses, plan.template())
-            groups.append(GradGroup(device, members, numels, addresses, plan))
-    except RuntimeError:  # sparse (no data pointer): the per-grad path
-        return None
+    groups, templates = [], []
+    for device, dtype, pick, _ in layout.plain_groups:
+        members = pick(grads)
+        if dtype not in ops.FLOAT_DTYPES or \
+                set(map(_DTYPE_DEVICE, members)) != {(dtype, device)}:
+            layout.signature = None  # parameters converted in place: rebuild next step
+            return None
+        group = GradGroup(device, members, tuple(map(_NUMEL, members)),
+                          tuple(pick(addresses)))
+        if resolve_backend(backend, device) == "triton":
+            plan = group.launch_target()
+            templates.append(plan.template() if plan.reusable else None)
+        groups.append(group)
+    reusable = len(templates) == len(groups) and None not in templates
+    layout.plans = (backend, addresses, templates) if reusable else None
     return groups
 
 

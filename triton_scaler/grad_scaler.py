@@ -142,9 +142,6 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
             per_device_found_inf.get(found_inf.device)  # no grads here: join the agreement, 0
         return per_device_found_inf._per_device_tensors
 
-    def _inv_scale(self) -> torch.Tensor:
-        return self._scale.double().reciprocal().float()
-
     @_eager_under_compile
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the optimizer's grads in place and record whether any is non-finite.

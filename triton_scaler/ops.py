@@ -82,14 +82,14 @@ def unscale_group_(grads: list[torch.Tensor], found_inf: torch.Tensor,
     the grads' :class:`GradGroup`, whose ``plan`` (when set) is the launch's host work, built
     by the caller, which guarantees it matches the grads."""
     if resolve_backend(backend, found_inf.device) == "triton":
-        from triton_scaler.kernels import launch_unscale, plan_unscale
+        from triton_scaler.kernels import launch_unscale
 
         if group is not None:
-            grads = group.plan or plan_unscale(grads, group.numels, group.addresses)
+            grads = group.launch_target()
         launch_unscale(grads, found_inf, inv_scale, write=write, inv_from_scale=from_scale)
         return
     if from_scale:
-        inv_scale = inv_scale.double().reciprocal().float()
+        inv_scale = reference.inv_scale_of(inv_scale)
     if write:
         reference.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
     else:

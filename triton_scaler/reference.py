@@ -18,6 +18,11 @@ from .policy import ScalePolicy
 _read_cpu_scalar = torch.Tensor.item
 
 
+def inv_scale_of(scale: torch.Tensor) -> torch.Tensor:
+    """torch's reciprocal of a 0-d fp32 scale: ``fp32(1 / fp64(scale))`` (three ops)."""
+    return scale.double().reciprocal().float()
+
+
 def _may_overflow(inv_scale: torch.Tensor) -> bool:
     """Whether ``finite * inv_scale`` can be non-finite, i.e. ``inv_scale`` is not in [0, 1].
 

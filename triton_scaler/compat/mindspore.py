@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import ops
+from .. import ops, reference
 from .._backend import check_backend
 from ..grad_scaler import GradScaler
 from ..policy import INT32_MAX, ScalePolicy, as_bool, as_int, check_scale_value
@@ -76,7 +76,7 @@ class StaticLossScaler:
         tensors = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
         if tensors:
             device = tensors[0].device
-            inv = self.scale_value.to(device).double().reciprocal().float()
+            inv = reference.inv_scale_of(self.scale_value.to(device))
             found = torch.zeros((), dtype=torch.float32, device=device)
             ops.non_finite_check_and_unscale_(tensors, found, inv, backend=self._backend)
         return outputs
