@@ -23,7 +23,8 @@ from ._distributed import local_grad
 from .buckets import buckets_of
 
 _GRAD = operator.attrgetter("grad")
-_DTYPE_DEVICE = operator.attrgetter("dtype", "device")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE_INDEX = torch.Tensor.get_device
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
 
@@ -78,8 +79,8 @@ class _Layout:
         self.plain_groups = [(device, dtype, _picker(indices, len(self.outside)), indices[0])
                              for (device, dtype), indices in by_key.items()]
         # (the scaler's backend, the grads' addresses at the last step, each plain group's
-        # launch plan without its grads) when every group had a reusable Triton plan -- no grad is held, so
-        # zero_grad(set_to_none=True) frees them
+        # launch plan without its grads) when every group had a reusable Triton plan. No
+        # grad is held, so zero_grad(set_to_none=True) frees them.
         self.plans: tuple | None = None
 
     def is_current(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -180,8 +181,11 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
     groups, templates = [], []
     for device, dtype, pick, _ in layout.plain_groups:
         members = pick(grads)
-        if dtype not in ops.FLOAT_DTYPES or \
-                set(map(_DTYPE_DEVICE, members)) != {(dtype, device)}:
+        # each grad's dtype and device index, then the device itself through the first grad
+        # (torch.device objects cost an allocation per grad)
+        if dtype not in ops.FLOAT_DTYPES or set(map(_DTYPE, members)) != {dtype} or \
+                set(map(_DEVICE_INDEX, members)) != {_index(device)} or \
+                members[0].device != device:
             layout.signature = None  # parameters converted in place: rebuild next step
             return None
         group = GradGroup(device, members, tuple(map(_NUMEL, members)),
@@ -193,6 +197,11 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
     reusable = len(templates) == len(groups) and None not in templates
     layout.plans = (backend, addresses, templates) if reusable else None
     return groups
+
+
+def _index(device: torch.device) -> int:
+    """``Tensor.get_device()`` of a tensor on ``device``: -1 on the CPU."""
+    return -1 if device.type == "cpu" else (device.index or 0)
 
 
 def _groups_slow(params, allow_fp16: bool, backend: str):
