@@ -29,3 +29,14 @@ def cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     return torch.device("cuda")
+
+
+@pytest.fixture
+def triton_device():
+    """Where this session runs the Triton kernels: CPU tensors through the interpreter, or
+    the GPU in a GPU run (``TRITON_SCALER_GPU_TESTS=1``, no interpreter); skipped otherwise."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    pytest.skip("the Triton backend needs TRITON_INTERPRET=1 on CPU, or a CUDA device")

@@ -90,18 +90,19 @@ def _count_launches(monkeypatch):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_one_launch_per_bucket(monkeypatch, fused):
+def test_one_launch_per_bucket(monkeypatch, fused, triton_device):
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(20)])  # 40 params
+    model.to(triton_device)
     opt = torch.optim.AdamW(model.parameters(), fused=fused)
-    scaler = GradScaler("cpu", backend="triton")
-    scaler.scale(model(torch.randn(2, 16)).sum()).backward()
+    scaler = GradScaler(triton_device.type, backend="triton")
+    scaler.scale(model(torch.randn(2, 16, device=triton_device)).sum()).backward()
     plain_launches = _count_launches(monkeypatch)
     scaler.step(opt)  # unscale_ or, for the fused optimizer, the read-only check
     assert len(plain_launches) == 1  # chunk-table path: one launch per (device, dtype)
     scaler.update()
     monkeypatch.undo()
     GradBuckets(opt)
-    scaler.scale(model(torch.randn(2, 16)).sum()).backward()
+    scaler.scale(model(torch.randn(2, 16, device=triton_device)).sum()).backward()
     bucket_launches = _count_launches(monkeypatch)
     scaler.step(opt)
     assert len(bucket_launches) == 1

@@ -63,7 +63,8 @@ def _setup(n_params, buckets, fused=False, dtypes=(torch.float32,)):
     params = [torch.nn.Parameter(torch.randn(7 + 5 * i, dtype=dtypes[i % len(dtypes)]))
               for i in range(n_params)]
     opt = torch.optim.AdamW(params, lr=1e-3, fused=fused)
-    bucketed = GradBuckets(opt) if buckets else None
+    if buckets:
+        GradBuckets(opt)
     return params, opt
 
 

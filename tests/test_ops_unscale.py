@@ -139,13 +139,14 @@ def test_empty_list_and_empty_tensors(backend):
     assert found.item() == 0.0
 
 
-def test_repeated_calls_reuse_the_cached_chunk_table():
+def test_repeated_calls_reuse_the_cached_chunk_table(triton_device):
     from triton_scaler.kernels import unscale
 
-    grads = _grads([10, 20, 30], torch.float32)
+    grads = [g.to(triton_device) for g in _grads([10, 20, 30], torch.float32)]
     unscale._tables.clear()
     for _ in range(3):
-        ops.non_finite_check_and_unscale_(grads, torch.zeros(()), torch.tensor(1.0),
+        ops.non_finite_check_and_unscale_(grads, torch.zeros((), device=triton_device),
+                                          torch.tensor(1.0, device=triton_device),
                                           backend="triton")
     assert len(unscale._tables) == 1
 

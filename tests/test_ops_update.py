@@ -91,14 +91,13 @@ def test_min_and_max_scale(backend):
     assert scale.item() == 100.0
 
 
-def test_triton_reads_factors_from_the_params_buffer():
-    scale, tracker = _state(1.0)
-    params = ScalePolicy(growth_interval=1).kernel_params("cpu").clone()
-    ops.update_scale_(scale, tracker, torch.zeros(()), 2.0, 0.5, 1, backend="triton",
-                      params=params)
+def test_triton_reads_factors_from_the_params_buffer(triton_device):
+    scale, tracker = (t.to(triton_device) for t in _state(1.0))
+    params = ScalePolicy(growth_interval=1).kernel_params(triton_device).clone()
+    found = torch.zeros((), device=triton_device)
+    ops.update_scale_(scale, tracker, found, 2.0, 0.5, 1, backend="triton", params=params)
     params[0] = 3.0  # a captured graph would see this change
-    ops.update_scale_(scale, tracker, torch.zeros(()), 2.0, 0.5, 1, backend="triton",
-                      params=params)
+    ops.update_scale_(scale, tracker, found, 2.0, 0.5, 1, backend="triton", params=params)
     assert scale.item() == 6.0
 
 
