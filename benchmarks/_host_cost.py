@@ -108,22 +108,24 @@ GRAD_MODES = ("same", "new_tensors", "new_memory")
 
 
 def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = False,
-              grads: str = "same"):
+              grads: str = "same", device: str = "cpu"):
     """(prepare, step): ``step()`` is the timed ``scale -> unscale_ -> step -> update``;
     ``prepare()`` (untimed) renews the grads as ``grads`` says. One real backward first
-    writes every grad through autograd (GradBuckets' hooks fire)."""
+    writes every grad through autograd (GradBuckets' hooks fire). ``device="cuda"``: real
+    launches (the GPU run of this benchmark)."""
     from triton_scaler import GradBuckets, GradScaler
 
     torch.manual_seed(0)
     sizes = torch.randint(NUMEL // 2, 3 * NUMEL // 2, (n_params,)).tolist()  # ~4k, mostly odd
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    params = [torch.nn.Parameter(torch.zeros(n, device=device)) for n in sizes]
     opt = (_NoStepFused if fused else _NoStep)(params, lr=0.0)
     opt.step = _no_step  # the instance's own: no torch wrapper (profiling hooks) around it
     if buckets:
         GradBuckets(opt)
-    scaler = (torch.amp.GradScaler("cpu") if impl == "torch"
-              else GradScaler("cpu", backend="triton"))
-    loss = torch.ones(())
+    kind = torch.device(device).type
+    scaler = (torch.amp.GradScaler(kind) if impl == "torch"
+              else GradScaler(kind, backend="triton"))
+    loss = torch.ones((), device=device)
     torch.stack([p[:1] for p in params]).sum().backward()
 
     def prepare() -> None:
@@ -166,15 +168,16 @@ def _counted(impl: str, n_params: int, **flags) -> dict:
 
 
 def measure_pair(n_params: int, ours: dict, torch_flags: dict, repeats: int = 30,
-                 cold: bool = False) -> dict:
+                 cold: bool = False, device: str = "cpu") -> dict:
     """Both scalers built side by side and timed in the same process, so that both see the
     same machine state: median seconds per step of each and the median of the per-step
     ratios ours / torch. ``cold=False``: each scaler's steps back to back (warm CPU caches),
     in alternating blocks; ``cold=True``: a 64 MB pass evicts the CPU caches before every
-    step (as a training step's forward and backward do), the two scalers alternating."""
-    with noop_launches():
-        pairs = [make_step("ours", n_params, **ours),
-                 make_step("torch", n_params, **torch_flags)]
+    step (as a training step's forward and backward do), the two scalers alternating.
+    ``device="cuda"``: real launches on the GPU, no launch counts."""
+    with noop_launches() if device == "cpu" else contextlib.nullcontext():
+        pairs = [make_step("ours", n_params, device=device, **ours),
+                 make_step("torch", n_params, device=device, **torch_flags)]
         _settle()
         for _, step in pairs:
             step()

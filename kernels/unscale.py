@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .bits import bf16_bits_to_fp32, fp32_to_bf16_bits
+from .device import launch_device
 
 GPU_BLOCK = 4096
 GPU_NUM_WARPS = 8
@@ -202,11 +203,19 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
     offset = (torch.arange(owner.numel()) - first_chunk[owner]) * block
     table = torch.stack([rel[owner] + offset, torch.clamp(sizes[owner] - offset, max=block)], 1)
     if first.is_cuda:  # pinned + non_blocking: the upload does not wait for the stream
-        table = table.pin_memory().to(first.device, non_blocking=True)
+        host = table.pin_memory()
+        table = host.to(first.device, non_blocking=True)
+        if torch.cuda.is_current_stream_capturing():  # the graph replays this upload
+            _captured[id(host)] = host
     _tables[key] = table
     if len(_tables) > _TABLE_CACHE_SIZE:
         _tables.popitem(last=False)
     return table
+
+
+#: Tables (and the pinned host buffers of their uploads) that a captured CUDA graph uses: a
+#: graph keeps raw addresses, so these live as long as the process, whatever the cache evicts.
+_captured: dict[int, torch.Tensor] = {}
 
 
 def _flat_memory(t: torch.Tensor) -> torch.Tensor | None:
@@ -321,14 +330,17 @@ def launch_unscale(
     fp64 = base.dtype == torch.float64
     partials = found_inf.new_empty(plan.grid, dtype=_partial_dtype(fp64)) if norm else found_inf
     options = {} if is_interpreting() else {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
-    unscale_kernel[(plan.grid,)](
-        _as_kernel_view(base), found_inf if plan.table is None else plan.table, plan.n,
-        inv_scale, found_inf, found_inf if clip_coef is None else clip_coef, partials,
-        BLOCK=_block(), USE_TABLE=plan.table is not None, WRITE=write,
-        BF16_BITS=base.dtype == torch.bfloat16 and is_interpreting(),
-        VEC=16 // base.element_size(), FP64=fp64, ROUND=write or norm != 0, NORM=norm,
-        CLIP=clip_coef is not None, INV_FROM_SCALE=inv_from_scale, **options,
-    )
+    if plan.table is not None and base.is_cuda and torch.cuda.is_current_stream_capturing():
+        _captured[id(plan.table)] = plan.table
+    with launch_device(base):
+        unscale_kernel[(plan.grid,)](
+            _as_kernel_view(base), found_inf if plan.table is None else plan.table, plan.n,
+            inv_scale, found_inf, found_inf if clip_coef is None else clip_coef, partials,
+            BLOCK=_block(), USE_TABLE=plan.table is not None, WRITE=write,
+            BF16_BITS=base.dtype == torch.bfloat16 and is_interpreting(),
+            VEC=16 // base.element_size(), FP64=fp64, ROUND=write or norm != 0, NORM=norm,
+            CLIP=clip_coef is not None, INV_FROM_SCALE=inv_from_scale, **options,
+        )
     if write:
         for g, c in plan.copies:
             g.copy_(c)

@@ -14,6 +14,8 @@ import triton.language as tl
 
 from triton_scaler.policy import PARAMS_LAYOUT  # the buffer's layout, owned by ScalePolicy
 
+from .device import launch_device
+
 __all__ = ["PARAMS_LAYOUT", "launch_update_scale", "update_scale_kernel"]
 
 
@@ -114,12 +116,13 @@ def launch_update_scale(
         raise ValueError(f"found_inf must hold a power-of-two count of contiguous flags; "
                          f"got {n_found}")
     record = skipped is not None
-    update_scale_kernel[(1,)](
-        scale, growth_tracker, found_inf,
-        hysteresis_tracker if has_hysteresis else growth_tracker, params,
-        skipped.view(torch.uint8) if record else found_inf,
-        skipped_count if record else growth_tracker,
-        N_FOUND=n_found, HAS_HYSTERESIS=has_hysteresis,
-        CONSECUTIVE_HYSTERESIS=consecutive_hysteresis, DYNAMIC=dynamic, RECORD_SKIP=record,
-        RESET_FOUND=reset_found, num_warps=1, enable_fp_fusion=False,
-    )
+    with launch_device(scale):
+        update_scale_kernel[(1,)](
+            scale, growth_tracker, found_inf,
+            hysteresis_tracker if has_hysteresis else growth_tracker, params,
+            skipped.view(torch.uint8) if record else found_inf,
+            skipped_count if record else growth_tracker,
+            N_FOUND=n_found, HAS_HYSTERESIS=has_hysteresis,
+            CONSECUTIVE_HYSTERESIS=consecutive_hysteresis, DYNAMIC=dynamic, RECORD_SKIP=record,
+            RESET_FOUND=reset_found, num_warps=1, enable_fp_fusion=False,
+        )

@@ -1,6 +1,7 @@
 """GPU tests: the same exact oracles on CUDA tensors, sync-free routes checked with CUDA's
 sync debug mode, and CUDA-graph capture. Skipped without CUDA; run all with tests/run_gpu.sh."""
 
+import gc
 import math
 
 import pytest
@@ -131,19 +132,48 @@ def test_fused_route_never_synchronises(cuda):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_cuda_graph_capture_and_replay(cuda):
-    """scale -> backward -> step -> update captured once, replayed with overflows injected."""
+def _evict_chunk_tables(cuda):
+    """What a long run does after a capture: more than 32 other grad layouts push the captured
+    chunk table out of the cache, and the freed device blocks are reused and overwritten."""
+    from triton_scaler.kernels import unscale
+
+    from triton_scaler import _grads
+
+    found, one = torch.zeros((), device=cuda), torch.ones((), device=cuda)
+    for i in range(40):
+        ops.non_finite_check_([torch.ones(5 + i, device=cuda), torch.ones(3, device=cuda)],
+                              found, one, backend="triton")
+    unscale._tables.clear()
+    _grads._layouts.clear()
+    gc.collect()
+    # small blocks, the size class of a chunk table, so that freed tables are reused
+    junk = [torch.full((64,), -1, dtype=torch.int64, device=cuda) for _ in range(4096)]
+    torch.cuda.synchronize()
+    return junk
+
+
+@pytest.mark.parametrize("buckets, unscale_first", [(True, False), (False, False),
+                                                    (False, True)])
+def test_cuda_graph_capture_and_replay(cuda, buckets, unscale_first):
+    """scale -> backward -> (unscale_) -> step -> update captured once, replayed with overflows
+    injected. Without buckets the captured launch reads a chunk table: evicted from the
+    cache and its memory reused after the capture, the replays must still see the overflow."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(32, 32).to(cuda)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)).to(cuda)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
-    buckets = GradBuckets(opt)
+    bucketed = GradBuckets(opt) if buckets else None
     scaler = GradScaler("cuda", init_scale=2.0**10, growth_interval=2, backend="triton")
     x = torch.randn(4, 32, device=cuda)
     multiplier = torch.ones((), device=cuda)
 
     def iteration():
-        buckets.zero_()
+        if bucketed is not None:
+            bucketed.zero_()
+        else:
+            opt.zero_grad(set_to_none=False)
         scaler.scale(model(x).square().mean() * multiplier).backward()
+        if unscale_first:  # no host copy may be recorded into the graph
+            scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
 
@@ -156,6 +186,7 @@ def test_cuda_graph_capture_and_replay(cuda):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         iteration()
+    junk = _evict_chunk_tables(cuda) if not buckets else []
     # warm-up: 1024 -> 2048 (tracker 1); the replays continue from there
     scales = []
     for overflow in (False, False, True, False, False):
@@ -169,6 +200,30 @@ def test_cuda_graph_capture_and_replay(cuda):
     graph.replay()
     graph.replay()
     assert scaler.get_scale() == 4096.0 * 4.0
+    assert all(bool((j == -1).all()) for j in junk)  # the replays wrote nothing there
+
+
+def test_grads_on_a_device_that_is_not_current(cuda):
+    """Launches go to the grads' device (Triton launches on the current one otherwise)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    other = torch.device("cuda", 1)
+    with torch.cuda.device(0):
+        grads = _grads([1000, 7, 4097], torch.float32, other)
+        grads[1][-1] = math.inf
+        expected = [g.clone() for g in grads]
+        found_t = torch.zeros((), device=other)
+        found = torch.zeros((), device=other)
+        inv = torch.tensor(0.25, device=other)
+        torch._amp_foreach_non_finite_check_and_unscale_(expected, found_t, inv)
+        ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")
+        assert_all_same(grads, expected)
+        assert_same(found, found_t)
+        kwargs = dict(init_scale=2.0**16, growth_interval=5)
+        theirs = _cuda_train(torch.amp.GradScaler("cuda", **kwargs), other, fused=False)
+        ours = _cuda_train(GradScaler("cuda", **kwargs, backend="triton"), other, fused=False)
+    assert ours[0] == theirs[0]
+    assert_all_same(ours[1], theirs[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -196,9 +196,10 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._process_group)
             state["found_inf_per_device"] = {agreed.device: agreed}
         state["found_inf_agreed"] = agreed
-        if start_host_copy and agreed.is_cuda:
+        if start_host_copy and agreed.is_cuda and not torch.cuda.is_current_stream_capturing():
             # Start the device-to-host copy of (scale, found_inf) now, so step()'s one read
-            # overlaps Python work; the scale rides along for the underflow warning.
+            # overlaps Python work; the scale rides along for the underflow warning. Not
+            # under CUDA-graph capture: a replay would write into a freed pinned buffer.
             span, index = self._host_read_span(state, agreed)
             host = torch.empty(span.numel(), dtype=torch.float32, pin_memory=True)
             host.copy_(span, non_blocking=True)

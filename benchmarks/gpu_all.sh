@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Issue 11 in one command on a bare GPU machine (torch, triton, pytest, pytest-benchmark; no
+# network). Usage:
+#   bash benchmarks/gpu_all.sh [all|tests|bench|suite] [OUT_DIR]
+#     tests  tests/run_gpu.sh: the GPU tests and the reference tests (log + junit XML)
+#     bench  benchmarks/gpu_figures.py: the issue's figures (figures.json / figures.md)
+#     suite  the pytest-benchmark suites at full sizes (suite.json, for benchmarks/plot.py)
+#     all    tests, then bench (default); the suite only when asked for
+# Everything goes under OUT_DIR (default: $OUT when set, else benchmarks/results/gpu), with
+# summary.txt: device, versions, date and each part's outcome. Each part has a time limit and
+# a failing part does not stop the next, so a part can be re-run alone. Plots need matplotlib:
+# draw them where it is installed, from the fetched JSON (python benchmarks/gpu_figures.py
+# --plot OUT_DIR; python benchmarks/plot.py OUT_DIR/suite.json --label gpu).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:-all}
+out=${2:-${OUT:-benchmarks/results/gpu}}
+mkdir -p "$out"
+summary="$out/summary.txt"
+unset TRITON_INTERPRET
+
+install() {
+  if pip install --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1; then
+    return
+  fi
+  # no build backend (setuptools) on the machine: the source tree itself on PYTHONPATH, with
+  # kernels/ linked where the installed package has it (triton_scaler/kernels, git-ignored)
+  ln -sfn ../kernels triton_scaler/kernels
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  echo "pip install failed (install.log): triton_scaler from the source tree" | tee -a "$summary"
+}
+
+header() {
+  python - <<'EOF' | tee -a "$summary"
+import platform, time
+import torch, triton
+print("==", time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA",
+      "| torch", torch.__version__, "(CUDA", str(torch.version.cuda) + ")",
+      "| triton", triton.__version__, "| python", platform.python_version())
+EOF
+}
+
+run_part() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "[$name] exit $rc after $((SECONDS - start)) s (limit $limit s): $(tail -n 1 "$out/$name.log")" \
+    | tee -a "$summary"
+  grep -E "^(FAILED|ERROR) " "$out/$name.log" | head -n 40 | tee -a "$summary"
+  return 0
+}
+
+install
+header
+python -c "import triton_scaler.kernels" || { echo "triton_scaler does not import" | tee -a "$summary"; exit 1; }
+if [[ $part == all || $part == tests ]]; then
+  run_part tests 250 bash tests/run_gpu.sh -p no:cacheprovider --junitxml="$out/tests.xml"
+fi
+if [[ $part == all || $part == bench ]]; then
+  run_part bench 200 python benchmarks/gpu_figures.py --out "$out"
+  [[ -f $out/figures.md ]] && cat "$out/figures.md" >> "$summary"
+fi
+if [[ $part == suite ]]; then
+  run_part suite 400 env TRITON_SCALER_BENCH_SIZES=full python -m pytest benchmarks -q \
+    -p no:cacheprovider --benchmark-enable --benchmark-json="$out/suite.json"
+fi
+echo "everything is under $out"
