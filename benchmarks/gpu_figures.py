@@ -85,10 +85,12 @@ def kernel_rows(device: torch.device, smoke: bool) -> list[dict]:
 
 
 def host_rows(device: torch.device, smoke: bool) -> list[dict]:
-    """Host seconds per scale/unscale_/step/update, ours and torch timed in one process."""
+    """Host seconds per scale/unscale_/step/update, ours and torch timed in one process; and
+    host microseconds per single launch (is Triton's Python launcher the cost?)."""
     from _host_cost import PAIRS, measure_pair
 
-    rows = []
+    rows = [launch_row(device, smoke)]
+    print(json.dumps(rows[-1]), flush=True)
     for n in ((10,) if smoke else (10, 100, 1000)):
         for label, ours, theirs in PAIRS:
             if ours.get("grads") == "new_memory":
@@ -99,6 +101,37 @@ def host_rows(device: torch.device, smoke: bool) -> list[dict]:
                          "ratio_ours_over_torch": r["ratio"]})
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def launch_row(device: torch.device, smoke: bool) -> dict:
+    """Host microseconds per call, the GPU not waited for: torch's foreach op, our public op
+    and our launcher with a prepared plan, each over one 1024-element fp32 tensor."""
+    from triton_scaler.kernels import launch_unscale, plan_unscale
+
+    from triton_scaler import ops
+
+    g = torch.zeros(1024, device=device)
+    found, one = torch.zeros((), device=device), torch.ones((), device=device)
+    backend = "triton" if device.type == "cuda" else "auto"
+    calls = {"torch op": lambda: torch._amp_foreach_non_finite_check_and_unscale_([g], found, one),
+             "ours ops.non_finite_check_and_unscale_":
+                 lambda: ops.non_finite_check_and_unscale_([g], found, one, backend=backend)}
+    if device.type == "cuda":
+        plan = plan_unscale([g])
+        calls["ours launch_unscale(plan)"] = lambda: launch_unscale(plan, found, one)
+    us = {}
+    for name, fn in calls.items():
+        fn()
+        times = []
+        for _ in range(3 if smoke else 20):
+            start = time.perf_counter()
+            for _ in range(10 if smoke else 200):
+                fn()
+            times.append((time.perf_counter() - start) / (10 if smoke else 200))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        us[name] = statistics.median(times) * 1e6
+    return {"section": "launch", "case": "host us per call", "us": us}
 
 
 def summary(result: dict) -> str:
@@ -119,6 +152,10 @@ def summary(result: dict) -> str:
     lines += ["", "| host case | params | ours us | torch us | ours / torch |",
               "|---|---|---|---|---|"]
     for r in result["host"]:
+        if r["section"] == "launch":
+            lines.append("| one launch: " + ", ".join(f"{k} {v:.1f} us" for k, v in
+                                                  r["us"].items()) + " | | | | |")
+            continue
         lines.append(f"| {r['case']} | {r['params']} | {r['us']['ours']:.0f} | "
                      f"{r['us']['torch']:.0f} | {r['ratio_ours_over_torch']:.2f} |")
     lines += ["", "| training step | ms / step | host syncs / step |", "|---|---|---|"]

@@ -15,7 +15,9 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert sections == {"flat", "many", "check"}
     assert all(r["ms"]["ours"] is not None for r in result["kernels"])
     assert {r["case"] for r in result["train"]} == {"torch", "ours", "ours + GradBuckets"}
-    assert result["host"] and all(r["ratio_ours_over_torch"] > 0 for r in result["host"])
+    host = [r for r in result["host"] if r["section"] == "host"]
+    assert host and all(r["ratio_ours_over_torch"] > 0 for r in host)
+    assert [r["section"] for r in result["host"]].count("launch") == 1
     assert "| flat |" in (tmp_path / "figures.md").read_text()
     if importlib.util.find_spec("matplotlib") is None:
         pytest.skip("matplotlib not installed: the plot is drawn where it is")
