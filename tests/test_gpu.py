@@ -256,3 +256,47 @@ def test_clip_grad_norm_cuda(cuda, dtype, norm_type, sizes):
         g.copy_((g.to(torch.float64 if dtype == torch.float64 else torch.float32) * coef)
                 .to(dtype))
     assert_all_same([p.grad for p in params], unscaled)
+
+
+def _free_gib(cuda) -> float:
+    free, _ = torch.cuda.mem_get_info(cuda)
+    return free / 2**30
+
+
+def test_a_tensor_of_more_than_2_31_elements(cuda):
+    """Offsets past 2^31 elements (int64 program ids, a 64-bit n_elements): the last element
+    of a 2^31 + 37 element bucket is checked and unscaled."""
+    if _free_gib(cuda) < 20:
+        pytest.skip("needs 20 GiB of free GPU memory")
+    n = 2**31 + 37
+    g = torch.ones(n, device=cuda)
+    g[-1] = math.inf
+    g[-2] = 3.0
+    found = torch.zeros((), device=cuda)
+    ops.non_finite_check_and_unscale_([g], found, torch.tensor(0.5, device=cuda),
+                                      backend="triton")
+    assert found.item() == 1.0
+    assert g[-2].item() == 1.5 and g[0].item() == 0.5 and g[2**31].item() == 0.5
+    assert math.isinf(g[-1].item())
+    del g
+    torch.cuda.empty_cache()
+
+
+def test_table_rows_more_than_2_31_elements_from_the_first_grad(cuda):
+    """Chunk-table starts are int64 offsets from the first grad: a grad allocated more than
+    2^31 elements after it (a 9 GiB tensor in between) is covered."""
+    if _free_gib(cuda) < 12:
+        pytest.skip("needs 12 GiB of free GPU memory")
+    first = torch.full((1000,), 2.0, device=cuda)
+    spacer = torch.empty(9 * 2**30, dtype=torch.uint8, device=cuda)
+    far = torch.full((4099,), 2.0, device=cuda)
+    far[-1] = math.nan
+    if abs(far.data_ptr() - first.data_ptr()) // 4 < 2**31:
+        pytest.skip("the allocator placed the grads closer than 2^31 elements")
+    found = torch.zeros((), device=cuda)
+    ops.non_finite_check_and_unscale_([first, far], found, torch.tensor(0.25, device=cuda),
+                                      backend="triton")
+    assert found.item() == 1.0
+    assert bool((first == 0.5).all()) and bool((far[:-1] == 0.5).all())
+    del spacer
+    torch.cuda.empty_cache()

@@ -286,3 +286,26 @@ def test_parameters_converted_in_place_at_the_same_addresses(backend):
     actual = _train_converting(GradScaler("cpu", **kwargs, backend=backend))
     assert actual[0] == expected[0]
     assert_all_same(actual[1], expected[1])
+
+
+@pytest.mark.parametrize("sizes", [(0, 5, 9), (0, 0, 7, 3), (4, 0, 6)])
+def test_reused_plans_with_empty_grads_first(backend, sizes):
+    """A group whose first grads are empty: the launch's base is its first non-empty grad,
+    also when the plan is reused at the next steps (same addresses)."""
+    def run(scaler):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+        opt = torch.optim.SGD(params, lr=0.5)
+        for step in range(4):
+            opt.zero_grad(set_to_none=False)
+            scaler.scale(sum((p * (i + 2)).sum() for i, p in enumerate(params))).backward()
+            if step == 2:
+                params[-1].grad[-1] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        return scaler.get_scale(), [p.detach().clone() for p in params]
+
+    expected = run(torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1))
+    actual = run(GradScaler("cpu", init_scale=4.0, growth_interval=1, backend=backend))
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])

@@ -74,9 +74,8 @@ class _Layout:
         by_key: dict[tuple, list[int]] = defaultdict(list)
         for i, p in enumerate(self.outside):
             by_key[p.device, p.dtype].append(i)
-        # (device, dtype, picks the group's items out of a list over ``outside``, the index
-        # in ``outside`` of its first item)
-        self.plain_groups = [(device, dtype, _picker(indices, len(self.outside)), indices[0])
+        # (device, dtype, picks the group's items out of a list over ``outside``)
+        self.plain_groups = [(device, dtype, _picker(indices, len(self.outside)))
                              for (device, dtype), indices in by_key.items()]
         # (the scaler's backend, the grads' addresses at the last step, each plain group's
         # launch plan without its grads) when every group had a reusable Triton plan. No
@@ -162,11 +161,12 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
     plans = layout.plans
     if plans is not None and plans[0] == backend and plans[1] == addresses:
         groups = []
-        for (device, dtype, pick, first), template in zip(layout.plain_groups, plans[2]):
-            base = grads[first]
+        for (device, dtype, pick), template in zip(layout.plain_groups, plans[2]):
+            members = pick(grads)
+            base = members[template.base_index]  # its first non-empty grad
             if base.dtype != dtype or base.device != device:
                 break
-            groups.append(GradGroup(device, pick(grads), plan=template.rebased(base)))
+            groups.append(GradGroup(device, members, plan=template.rebased(base)))
         else:
             return groups
     return _groups_planned(layout, backend, grads, addresses)
@@ -179,7 +179,7 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
     if set(map(type, grads)) != {torch.Tensor}:
         return None
     groups, templates = [], []
-    for device, dtype, pick, _ in layout.plain_groups:
+    for device, dtype, pick in layout.plain_groups:
         members = pick(grads)
         # each grad's dtype and device index, then the device itself through the first grad
         # (torch.device objects cost an allocation per grad)
