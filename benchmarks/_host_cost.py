@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import statistics
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -238,23 +239,36 @@ def label(impl: str, flags: dict) -> str:
     return f"{name}, {route}" + ("" if flags.get("buckets") else f", grads {flags.get('grads', 'same')}")
 
 
+def row(n: int, index: int) -> str:
+    """One table row: PAIRS[index] at ``n`` parameters, warm and cold."""
+    label, ours, theirs = PAIRS[index]
+    w = measure_pair(n, ours, theirs)
+    c = measure_pair(n, ours, theirs, cold=True)
+    oc, tc = w["ours_counts"], w["torch_counts"]
+    return (f"| {n} | {label} | {w['ours'] * 1e6:.0f} | {w['torch'] * 1e6:.0f} | "
+            f"{w['ratio']:.2f} | {c['ours'] * 1e6:.0f} | {c['torch'] * 1e6:.0f} | "
+            f"{c['ratio']:.2f} | {oc['kernels']} + {oc['other_ops']} | "
+            f"{tc['kernels']} + {tc['other_ops']} |")
+
+
 def main(sizes: tuple[int, ...] = (100, 1000, 10000)) -> None:
+    """The table; each row in a fresh process, so that no row inherits the heap of the
+    rows before it (10,000 parameters allocate and free ~320 MB per row)."""
     print(f"host time per step (scale+unscale_+step+update), no-op launches, torch "
           f"{torch.__version__}; medians of 30 steps; warm: steps back to back, cold: CPU "
-          f"caches evicted before each step")
+          f"caches evicted before each step; one process per row")
     print("| params | case | ours warm us | torch warm us | ratio warm | ours cold us "
           "| torch cold us | ratio cold | ours kernels + other ops | torch kernels + other ops "
           "|\n|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
-        for row, ours, theirs in PAIRS:
-            w = measure_pair(n, ours, theirs)
-            c = measure_pair(n, ours, theirs, cold=True)
-            oc, tc = w["ours_counts"], w["torch_counts"]
-            print(f"| {n} | {row} | {w['ours'] * 1e6:.0f} | {w['torch'] * 1e6:.0f} | "
-                  f"{w['ratio']:.2f} | {c['ours'] * 1e6:.0f} | {c['torch'] * 1e6:.0f} | "
-                  f"{c['ratio']:.2f} | {oc['kernels']} + {oc['other_ops']} | "
-                  f"{tc['kernels']} + {tc['other_ops']} |", flush=True)
+        for index in range(len(PAIRS)):
+            done = subprocess.run([sys.executable, __file__, "--row", str(n), str(index)],
+                                  capture_output=True, text=True, check=True)
+            print(done.stdout.strip(), flush=True)
 
 
 if __name__ == "__main__":
-    main(tuple(int(a) for a in sys.argv[1:]) or (100, 1000, 10000))
+    if sys.argv[1:2] == ["--row"]:
+        print(row(int(sys.argv[2]), int(sys.argv[3])))
+    else:
+        main(tuple(int(a) for a in sys.argv[1:]) or (100, 1000, 10000))
