@@ -239,8 +239,8 @@ def test_parameter_replaced_in_place_in_param_groups(backend, buckets):
 
 
 def test_reused_plans_follow_the_scaler_not_the_optimizer():
-    """Two scalers with different backends on one optimizer: a plan cached by the Triton
-    scaler is not handed to the reference path (which needs the grads themselves)."""
+    """Two scalers with different backends on one optimizer share its cached layout and
+    launch plans: each backend gets what it needs (the reference path, the grads)."""
     if os_interpreter_missing():
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
     results = []
