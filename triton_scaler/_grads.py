@@ -152,7 +152,8 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
     Grads at the addresses of the last step reuse its launch plans: one pass reading the
     grads and one reading their addresses. Same parameter objects, same memory: torch keeps
     a grad's dtype, size and device its parameter's; a parameter converted in place
-    (``param.data = ...``, ``module.half()``) is caught through each group's first grad."""
+    (``param.data = ...``, ``module.half()``) is caught through each group's launch base (its
+    first non-empty grad)."""
     grads = list(map(_GRAD, layout.outside))
     try:
         addresses = tuple(map(_DATA_PTR, grads))
