@@ -4,7 +4,8 @@ Installed as ``triton_scaler.kernels``. Importing this package imports triton; t
 triton_scaler imports it lazily, only when the Triton backend is used.
 """
 
-from .unscale import UnscalePlan, launch_unscale, plan_unscale
+from .plan import UnscalePlan
+from .unscale import launch_unscale, plan_unscale
 from .update import launch_update_scale
 
 __all__ = ["UnscalePlan", "launch_unscale", "launch_update_scale", "plan_unscale"]

@@ -135,7 +135,7 @@ def test_fused_route_never_synchronises(cuda):
 def _evict_chunk_tables(cuda):
     """What a long run does after a capture: more than 32 other grad layouts push the captured
     chunk table out of the cache, and the freed device blocks are reused and overwritten."""
-    from triton_scaler.kernels import unscale
+    from triton_scaler.kernels import plan
 
     from triton_scaler import _grads
 
@@ -143,7 +143,7 @@ def _evict_chunk_tables(cuda):
     for i in range(40):
         ops.non_finite_check_([torch.ones(5 + i, device=cuda), torch.ones(3, device=cuda)],
                               found, one, backend="triton")
-    unscale._tables.clear()
+    plan._tables.clear()
     _grads._layouts.clear()
     gc.collect()
     # small blocks, the size class of a chunk table, so that freed tables are reused

@@ -140,15 +140,15 @@ def test_empty_list_and_empty_tensors(backend):
 
 
 def test_repeated_calls_reuse_the_cached_chunk_table(triton_device):
-    from triton_scaler.kernels import unscale
+    from triton_scaler.kernels import plan
 
     grads = [g.to(triton_device) for g in _grads([10, 20, 30], torch.float32)]
-    unscale._tables.clear()
+    plan._tables.clear()
     for _ in range(3):
         ops.non_finite_check_and_unscale_(grads, torch.zeros((), device=triton_device),
                                           torch.tensor(1.0, device=triton_device),
                                           backend="triton")
-    assert len(unscale._tables) == 1
+    assert len(plan._tables) == 1
 
 
 @pytest.mark.parametrize("bad, error, match", [

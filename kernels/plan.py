@@ -1,0 +1,140 @@
+"""Host side of an unscale launch: which memory it covers and how it is cut into chunks.
+
+* :func:`chunk_table`: the ``(start, length)`` rows of a many-tensor launch, relative to its
+  first tensor, cached on the tensors' addresses and sizes (and kept for good once a CUDA
+  graph has captured a launch that reads it);
+* :class:`UnscalePlan` / :func:`build_plan`: the base tensor, the table or flat size, the grid,
+  and the contiguous copies that non-dense grads need.
+
+No Triton code here; ``unscale.py`` holds the kernel and :func:`launch_unscale`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import triton
+
+_TABLE_CACHE_SIZE = 32
+
+_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+
+def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
+                addresses: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The chunk table of contiguous, non-empty, same-dtype ``grads`` on one device, whose
+    sizes are ``numels``: an int64 ``[n_chunks, 2]`` device tensor of ``(start, length)`` rows,
+    start in elements from ``grads[0]``. Every chunk but a tensor's last is ``block`` long.
+
+    Cached on the grads' addresses and sizes (the last 32 layouts), so a training loop whose
+    grads keep their storage builds it once; a hit costs one pass over the grads' addresses.
+    """
+    first = grads[0]
+    if addresses is None:
+        addresses = tuple(map(torch.Tensor.data_ptr, grads))
+    key = (first.device, first.dtype, block, addresses, numels)
+    table = _tables.get(key)
+    if table is not None:
+        _tables.move_to_end(key)
+        return table
+    unique_addresses, numels = _without_aliases(addresses, numels)
+    ptrs = torch.tensor(unique_addresses, dtype=torch.int64)
+    sizes = torch.tensor(numels, dtype=torch.int64)
+    rel = (ptrs - ptrs[0]) // first.element_size()
+    n_chunks = (sizes + block - 1) // block
+    owner = torch.repeat_interleave(torch.arange(len(unique_addresses)), n_chunks)
+    first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
+    offset = (torch.arange(owner.numel()) - first_chunk[owner]) * block
+    table = torch.stack([rel[owner] + offset, torch.clamp(sizes[owner] - offset, max=block)], 1)
+    if first.is_cuda:  # pinned + non_blocking: the upload does not wait for the stream
+        host = table.pin_memory()
+        table = host.to(first.device, non_blocking=True)
+        if torch.cuda.is_current_stream_capturing():  # the graph replays this upload
+            _captured[id(host)] = host
+    _tables[key] = table
+    if len(_tables) > _TABLE_CACHE_SIZE:
+        _tables.popitem(last=False)
+    return table
+
+
+#: Tables (and the pinned host buffers of their uploads) that a captured CUDA graph uses: a
+#: graph keeps raw addresses, so these live as long as the process, whatever the cache evicts.
+_captured: dict[int, torch.Tensor] = {}
+
+
+def _flat_memory(t: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D contiguous view of ``t``'s memory when ``t`` is dense and non-overlapping in
+    some dimension order (channels_last, a transpose), else None."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return t.as_strided((t.numel(),), (1,))
+
+
+def _without_aliases(addresses: tuple[int, ...], numels: tuple[int, ...]):
+    """Drop grads that start at the address of an earlier one (``p2.grad = p1.grad``): each
+    memory location is unscaled once. Non-empty grads only (the caller drops empty ones)."""
+    if len(set(addresses)) == len(addresses):
+        return addresses, numels
+    seen: dict[int, int] = {}
+    for address, n in zip(addresses, numels):
+        seen[address] = max(n, seen.get(address, 0))
+    return tuple(seen), tuple(seen.values())
+
+
+class UnscalePlan:
+    """The host side of one launch over same-device, same-dtype grads: the base tensor (the
+    ``base_index``-th grad), the chunk table (or the flat size) and the contiguous copies that
+    non-dense grads need. Built by :func:`plan_unscale`. A ``reusable`` plan (no copies) holds
+    no grads once :meth:`template` strips its base, and :meth:`rebased` puts the base of a new
+    grads list at the same addresses back."""
+
+    __slots__ = ("base", "base_index", "table", "n", "grid", "copies", "reusable")
+
+    def __init__(self, base, base_index, table, n, grid, copies, reusable):
+        self.base, self.base_index, self.table, self.n = base, base_index, table, n
+        self.grid, self.copies, self.reusable = grid, copies, reusable
+
+    def template(self) -> UnscalePlan:
+        return UnscalePlan(None, self.base_index, self.table, self.n, self.grid, [], True)
+
+    def rebased(self, base: torch.Tensor | None) -> UnscalePlan:
+        """This template over a new grads list at the same addresses, whose
+        ``base_index``-th grad is ``base`` (None for a plan without elements)."""
+        return UnscalePlan(base if self.grid else None, self.base_index,
+                           self.table, self.n, self.grid, [], True)
+
+
+def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
+               addresses: tuple[int, ...] | None, block: int) -> UnscalePlan:
+    """The host work of a launch over ``grads`` in chunks of ``block`` elements. ``numels`` /
+    ``addresses``: the grads' sizes / data pointers when the caller already has them."""
+    if numels is None:
+        numels = tuple(map(torch.Tensor.numel, grads))  # C-level passes: cheap per grad
+    base_index = 0
+    if 0 in numels:
+        base_index = next((i for i, n in enumerate(numels) if n), 0)
+        kept = [(g, n) for g, n in zip(grads, numels) if n]
+        grads, numels, addresses = [g for g, _ in kept], tuple(n for _, n in kept), None
+    if not grads:
+        return UnscalePlan(None, 0, None, 0, 0, [], True)
+    copies = []
+    dense = grads
+    contiguous = all(map(torch.Tensor.is_contiguous, grads))
+    if not contiguous:  # rare: Python work per such grad
+        dense, addresses = [], None
+        for g in grads:
+            flat = g if g.is_contiguous() else _flat_memory(g)
+            if flat is None:  # overlapping or with gaps: a correct, slower fallback
+                flat = g.contiguous()
+                copies.append((g, flat))
+            dense.append(flat)
+        numels = tuple(map(torch.Tensor.numel, dense))
+    if len(dense) == 1:
+        return UnscalePlan(dense[0], base_index, None, numels[0],
+                           triton.cdiv(numels[0], block), copies, contiguous)
+    table = chunk_table(dense, numels, block, addresses)
+    return UnscalePlan(dense[0], base_index, table, 0, table.shape[0], copies, contiguous)
