@@ -55,6 +55,7 @@ class ScalerStateMixin:
         self._last_step_skipped: torch.Tensor | None = None
         self._params_t: torch.Tensor | None = None
         self._scale_and_flags: torch.Tensor | None = None
+        self._flags: torch.Tensor | None = None  # the buffer's found_inf part, a view
         self._found_slots: list[torch.Tensor] = []
         self._slots_taken = 0
         self._warned_underflow = False
@@ -67,7 +68,8 @@ class ScalerStateMixin:
         buffer[:1].copy_(self._scale)
         self._scale = buffer[0]
         self._scale_and_flags = buffer
-        self._found_slots = list(buffer[1:].unbind())
+        self._flags = buffer[1:]
+        self._found_slots = list(self._flags.unbind())
         self._slots_taken = 0
         self._hysteresis_tracker_state = torch.full((), self._init_hysteresis_tracker,
                                                     dtype=torch.int32, device=dev)
@@ -240,7 +242,7 @@ class ScalerStateMixin:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_init_skipped_steps"] = self.skipped_steps
             for key in ("_hysteresis_tracker_state", "_skipped_steps_t", "_last_step_skipped",
-                        "_params_t", "_scale_and_flags"):
+                        "_params_t", "_scale_and_flags", "_flags"):
                 state[key] = None
             state["_found_slots"] = []
             state["_slots_taken"] = 0

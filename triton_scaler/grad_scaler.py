@@ -300,7 +300,7 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
                 scale.fill_(new_scale)
             else:
                 super().update(new_scale)
-            self._scale_and_flags[1:].zero_()
+            self._flags.zero_()
             self._reset_iteration()
             return
         states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
@@ -316,7 +316,7 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         at_min_scale = policy.dynamic and policy.raise_at_min_scale \
             and self._backs_off_at_min_scale()
         # One launch: combine the flags, record the skip, update the scale, zero the flags.
-        ops.scaler_update_(scale, growth_tracker, self._scale_and_flags[1:], policy,
+        ops.scaler_update_(scale, growth_tracker, self._flags, policy,
                            hysteresis_tracker=self._hysteresis_tracker_t,
                            skipped=self._last_step_skipped, skipped_count=self._skipped_steps_t,
                            backend=self._backend, params=self._params_t)
@@ -330,7 +330,7 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
     def _backs_off_at_min_scale(self) -> bool:
         """Whether this iteration's overflow backs off with the scale already at
         ``min_scale`` (one host read, documented on ``raise_at_min_scale``)."""
-        backs_off = (self._scale_and_flags[1:] != 0).any()
+        backs_off = (self._flags != 0).any()
         if self._hysteresis_tracker_t is not None:
             backs_off = backs_off & (self._hysteresis_tracker_t <= 1)
         return bool((backs_off & (self._scale <= self._policy.min_scale)).item())
