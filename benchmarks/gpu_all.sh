@@ -57,7 +57,7 @@ install
 header
 python -c "import triton_scaler.kernels" || { echo "triton_scaler does not import" | tee -a "$summary"; exit 1; }
 if [[ $part == all || $part == tests ]]; then
-  run_part tests 250 bash tests/run_gpu.sh -p no:cacheprovider --junitxml="$out/tests.xml"
+  run_part tests 300 bash tests/run_gpu.sh -p no:cacheprovider --junitxml="$out/tests.xml"
 fi
 if [[ $part == all || $part == bench ]]; then
   run_part bench 200 python benchmarks/gpu_figures.py --out "$out"

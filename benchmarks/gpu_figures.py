@@ -21,6 +21,7 @@ GB/s counts bytes read + written. Sections (see ``benchmarks/_gpu_cases.py``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -85,27 +86,45 @@ def kernel_rows(device: torch.device, smoke: bool) -> list[dict]:
 
 
 def host_rows(device: torch.device, smoke: bool) -> list[dict]:
-    """Host seconds per scale/unscale_/step/update, ours and torch timed in one process; and
-    host microseconds per single launch (is Triton's Python launcher the cost?)."""
+    """Host seconds per scale/unscale_/step/update, ours and torch timed in one process, ours
+    through Triton's launcher and (``direct``) through the compiled launchers themselves
+    (``kernels/launcher.py``); and host microseconds per single launch (is Triton's Python
+    launcher the cost?)."""
     from _host_cost import PAIRS, measure_pair
 
     rows = [launch_row(device, smoke)]
     print(json.dumps(rows[-1]), flush=True)
-    for n in ((10,) if smoke else (10, 100, 1000)):
-        for label, ours, theirs in PAIRS:
-            if ours.get("grads") == "new_memory":
-                continue
-            r = measure_pair(n, ours, theirs, repeats=3 if smoke else 60, device=device.type)
-            rows.append({"section": "host", "case": label, "params": n,
-                         "us": {"ours": r["ours"] * 1e6, "torch": r["torch"] * 1e6},
-                         "ratio_ours_over_torch": r["ratio"]})
-            print(json.dumps(rows[-1]), flush=True)
+    for direct in (False, True):
+        for n in ((10,) if smoke else (10, 100, 1000)):
+            for label, ours, theirs in PAIRS:
+                if ours.get("grads") == "new_memory":
+                    continue
+                with _direct_launches(direct):
+                    r = measure_pair(n, ours, theirs, repeats=3 if smoke else 60,
+                                     device=device.type)
+                rows.append({"section": "host", "case": label + (", direct" if direct else ""),
+                             "params": n, "us": {"ours": r["ours"] * 1e6, "torch": r["torch"] * 1e6},
+                             "ratio_ours_over_torch": r["ratio"]})
+                print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+@contextlib.contextmanager
+def _direct_launches(on: bool):
+    from triton_scaler.kernels import launcher
+
+    launcher.DIRECT = on
+    try:
+        yield
+    finally:
+        launcher.DIRECT = False
+        launcher.clear()
 
 
 def launch_row(device: torch.device, smoke: bool) -> dict:
     """Host microseconds per call, the GPU not waited for: torch's foreach op, our public op
-    and our launcher with a prepared plan, each over one 1024-element fp32 tensor."""
+    and our launcher with a prepared plan (through Triton's launcher, and ``direct``: through
+    the compiled kernel's), each over one 1024-element fp32 tensor."""
     from triton_scaler.kernels import launch_unscale, plan_unscale
 
     from triton_scaler import ops
@@ -119,19 +138,26 @@ def launch_row(device: torch.device, smoke: bool) -> dict:
     if device.type == "cuda":
         plan = plan_unscale([g])
         calls["ours launch_unscale(plan)"] = lambda: launch_unscale(plan, found, one)
+        calls["ours launch_unscale(plan), direct"] = lambda: launch_unscale(plan, found, one)
     us = {}
     for name, fn in calls.items():
-        fn()
-        times = []
-        for _ in range(3 if smoke else 20):
-            start = time.perf_counter()
-            for _ in range(10 if smoke else 200):
-                fn()
-            times.append((time.perf_counter() - start) / (10 if smoke else 200))
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-        us[name] = statistics.median(times) * 1e6
+        with _direct_launches(name.endswith("direct")):
+            us[name] = _host_us(fn, device, smoke)
     return {"section": "launch", "case": "host us per call", "us": us}
+
+
+def _host_us(fn, device: torch.device, smoke: bool) -> float:
+    """Median host microseconds per call of ``fn``, in batches, the GPU drained between."""
+    fn()
+    times = []
+    for _ in range(3 if smoke else 20):
+        start = time.perf_counter()
+        for _ in range(10 if smoke else 200):
+            fn()
+        times.append((time.perf_counter() - start) / (10 if smoke else 200))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
 
 
 def summary(result: dict) -> str:

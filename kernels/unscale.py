@@ -27,11 +27,14 @@ import triton.language as tl
 
 from .bits import bf16_bits_to_fp32, fp32_to_bf16_bits
 from .device import launch_device
+from .launcher import launch
 from .plan import UnscalePlan, _captured, build_plan
 
 GPU_BLOCK = 4096
 GPU_NUM_WARPS = 8
 INTERPRETER_BLOCK = 1 << 16  # each interpreted program costs milliseconds: few, large blocks
+_GPU_OPTIONS = {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
+_INTERPRETER_OPTIONS: dict = {}
 
 
 @triton.jit
@@ -211,18 +214,18 @@ def launch_unscale(
     base = plan.base
     fp64 = base.dtype == torch.float64
     partials = found_inf.new_empty(plan.grid, dtype=_partial_dtype(fp64)) if norm else found_inf
-    options = {} if is_interpreting() else {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
     if plan.table is not None and base.is_cuda and torch.cuda.is_current_stream_capturing():
         _captured[id(plan.table)] = plan.table
     with launch_device(base):
-        unscale_kernel[(plan.grid,)](
+        launch(unscale_kernel, plan.grid, (
             _as_kernel_view(base), found_inf if plan.table is None else plan.table, plan.n,
             inv_scale, found_inf, found_inf if clip_coef is None else clip_coef, partials,
+        ), dict(
             BLOCK=_block(), USE_TABLE=plan.table is not None, WRITE=write,
             BF16_BITS=base.dtype == torch.bfloat16 and is_interpreting(),
             VEC=16 // base.element_size(), FP64=fp64, ROUND=write or norm != 0, NORM=norm,
-            CLIP=clip_coef is not None, INV_FROM_SCALE=inv_from_scale, **options,
-        )
+            CLIP=clip_coef is not None, INV_FROM_SCALE=inv_from_scale,
+        ), _INTERPRETER_OPTIONS if is_interpreting() else _GPU_OPTIONS)
     if write:
         for g, c in plan.copies:
             g.copy_(c)

@@ -40,3 +40,25 @@ def triton_device():
     if torch.cuda.is_available():
         return torch.device("cuda")
     pytest.skip("the Triton backend needs TRITON_INTERPRET=1 on CPU, or a CUDA device")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--direct-launch", action="store_true",
+                     help="launch repeated kernels through their compiled launchers "
+                          "(triton_scaler.kernels.launcher.DIRECT; a GPU run)")
+
+
+@pytest.fixture(autouse=True)
+def _direct_launch(request):
+    """``--direct-launch``: every test with the direct launcher on (see kernels/launcher.py)."""
+    if not request.config.getoption("--direct-launch"):
+        yield
+        return
+    from triton_scaler.kernels import launcher
+
+    launcher.DIRECT = True
+    try:
+        yield
+    finally:
+        launcher.DIRECT = False
+        launcher.clear()

@@ -82,11 +82,13 @@ def test_update_matches_torch_cuda(cuda, growth, backoff, interval):
         assert_same(ours[1], theirs[1])
 
 
-def _cuda_train(scaler, device, fused, steps=30, overflow_at=(3, 4, 17)):
+def _cuda_train(scaler, device, fused, steps=30, overflow_at=(3, 4, 17), buckets=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
                                 torch.nn.Linear(128, 8)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    if buckets:
+        GradBuckets(opt)
     gen = torch.Generator(device=device).manual_seed(1)
     trajectory = []
     for step in range(steps):
@@ -109,6 +111,27 @@ def test_training_parity_cuda(cuda, fused):
     actual = _cuda_train(GradScaler("cuda", **kwargs, backend="triton"), cuda, fused)
     assert actual[0] == expected[0]
     assert_all_same(actual[1], expected[1])
+
+
+@pytest.mark.parametrize("fused, buckets", [(False, False), (False, True), (True, True)])
+def test_direct_launches_keep_torchs_training_run(cuda, monkeypatch, fused, buckets):
+    """kernels/launcher.py on: repeated launches call the compiled launchers themselves, and
+    the run is still torch's, bit for bit."""
+    from triton_scaler.kernels import launcher
+
+    monkeypatch.setattr(launcher, "DIRECT", True)
+    launcher.clear()
+    direct = []
+    run = launcher._run
+    monkeypatch.setattr(launcher, "_run", lambda *args: (direct.append(args[1]), run(*args)))
+    kwargs = dict(init_scale=2.0**16, growth_interval=5)
+    expected = _cuda_train(torch.amp.GradScaler("cuda", **kwargs), cuda, fused)
+    actual = _cuda_train(GradScaler("cuda", **kwargs, backend="triton"), cuda, fused,
+                         buckets=buckets)
+    launcher.clear()
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])
+    assert len(direct) >= 29  # at least the update of each of the 30 steps but the first
 
 
 def test_fused_route_never_synchronises(cuda):

@@ -42,7 +42,7 @@ class _Counted:
         def launch(*args, **kwargs):
             _IN_KERNEL[0] += 1
             try:
-                return self.kernel[grid](*args, **kwargs)
+                self.kernel[grid](*args, **kwargs)  # no compiled kernel back: none is reused
             finally:
                 _IN_KERNEL[0] -= 1
         return launch

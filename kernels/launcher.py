@@ -1,0 +1,111 @@
+"""Launching a compiled kernel again without Triton's per-call binder.
+
+``kernel[grid](*args)`` works out on every call what its arguments specialise (each pointer's
+and integer's 16-divisibility, dtypes, constexprs), builds and hashes a cache key, checks the
+kernel's globals and only then calls the compiled kernel's launcher: host microseconds per
+launch, which a scaler pays every step. :func:`launch` remembers the compiled kernel of a
+launch by exactly what decides its specialisation, the current device and every argument
+(each tensor's address and dtype, every other value as it is), and when the same arguments
+come again (a training loop's steady state: the same buckets, tables and state buffers) calls
+that compiled kernel's launcher itself, as ``JITFunction.run`` ends (triton 3.6 to 3.9):
+``kernel.run(grid..., stream, kernel.function, kernel.packed_metadata, launch_metadata,
+enter_hook, exit_hook, *args)``. Triton's launch hooks still run; its ``pre_run_hooks`` do
+not. Any other launch goes through ``kernel[grid]``.
+
+Off (``DIRECT = False``) until a GPU run has measured it against ``kernel[grid]`` (the
+``launch`` row of ``benchmarks/gpu_figures.py``) and the GPU tests have passed with it on
+(``tests/test_gpu.py`` runs them both ways). Under the interpreter ``kernel[grid]`` returns no
+compiled kernel and every launch goes through it; on ROCm too (its specialisation also
+depends on each tensor's storage size, which the key leaves out).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+#: Use the compiled kernels' launchers directly for repeated launches (see the module doc).
+DIRECT = False
+
+_CAPACITY = 16  # remembered launches per kernel (a step has a few: buckets, groups, update)
+
+_compiled: dict[object, OrderedDict] = {}
+
+
+def launch(kernel, grid: int, args: tuple, constexprs: dict, options: dict) -> None:
+    """``kernel[(grid,)](*args, **constexprs, **options)``: ``args`` are the kernel's leading
+    parameters in order, ``constexprs`` the rest by name, in the kernel's order. ``options``
+    (``num_warps``, ...) must be the same at every call for one kernel. Asynchronous, as
+    ``kernel[grid]``."""
+    if not DIRECT:
+        kernel[(grid,)](*args, **constexprs, **options)
+        return
+    values = (*args, *constexprs.values())
+    cache = _compiled.get(kernel)  # none yet, or never (the interpreter compiles nothing)
+    if cache is not None:
+        device = _current_device()
+        key = _key(device, values)
+        compiled = cache.get(key)
+        if compiled is not None:
+            cache.move_to_end(key)
+            _run(compiled, grid, _current_stream(device), values)
+            return
+    compiled = kernel[(grid,)](*args, **constexprs, **options)
+    if _reusable(compiled):
+        if cache is None:
+            _check_order(kernel, len(args), constexprs)
+            cache = _compiled[kernel] = OrderedDict()
+        cache[_key(_current_device(), values)] = compiled
+        if len(cache) > _CAPACITY:
+            cache.popitem(last=False)
+
+
+def _reusable(compiled) -> bool:
+    """A compiled kernel (not the interpreter's None) of a backend whose specialisation
+    :func:`_key` covers: CUDA's (pointer alignment; ROCm's also depends on storage sizes)."""
+    return torch.version.hip is None and all(
+        hasattr(compiled, name) for name in ("run", "function", "packed_metadata"))
+
+
+def _key(device: int, values: tuple) -> tuple:
+    """All that decides a launch's specialisation: the device, each tensor's address and
+    dtype, every other argument as it is."""
+    return (device, *[(a.data_ptr(), a.dtype) if isinstance(a, torch.Tensor) else a
+                      for a in values])
+
+
+def _current_device() -> int:
+    from triton.runtime import driver
+
+    return driver.active.get_current_device()
+
+
+def _current_stream(device: int) -> int:
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream(device)
+
+
+def _check_order(kernel, n_args: int, constexprs: dict) -> None:
+    """The launcher takes every parameter positionally: ``constexprs`` must name the
+    kernel's parameters after the first ``n_args``, in its order."""
+    rest = tuple(kernel.arg_names[n_args:])
+    if tuple(constexprs) != rest:
+        raise ValueError(f"constexprs must name the parameters of {kernel} after the first "
+                         f"{n_args}, in its order: {rest}; got {tuple(constexprs)}")
+
+
+def _run(compiled, grid: int, stream, values: tuple) -> None:
+    """What ``JITFunction.run`` does once it has its compiled kernel (triton 3.6 to 3.9)."""
+    from triton import knobs
+
+    hooks = knobs.runtime
+    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
+                 compiled.launch_metadata((grid,), stream, *values),
+                 hooks.launch_enter_hook, hooks.launch_exit_hook, *values)
+
+
+def clear() -> None:
+    """Forget every remembered launch (the next launch of each goes through ``kernel[grid]``)."""
+    _compiled.clear()

@@ -1,0 +1,138 @@
+"""The direct launcher (``kernels/launcher.py``): a repeated launch reuses the compiled kernel
+of the first, passing exactly what Triton's ``JITFunction.run`` passes; any other launch goes
+through ``kernel[grid]``. A stand-in compiled kernel records the calls (no GPU here); the GPU
+run (tests/test_gpu.py, tests/run_gpu.sh) runs the real launchers."""
+
+import pytest
+import torch
+from triton import knobs
+from triton_scaler.kernels import launch_unscale, launch_update_scale, launcher, unscale, update
+
+from triton_scaler.policy import ScalePolicy
+
+
+class _Compiled:
+    """What ``kernel[grid](...)`` returns on a GPU: ``run`` is the compiled launcher."""
+
+    function, packed_metadata = "function", "packed"
+
+    def __init__(self, runs):
+        self.runs = runs
+
+    def launch_metadata(self, grid, stream, *values):
+        return ("metadata", grid, stream)
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _Kernel:
+    arg_names = ["x_ptr", "n", "FLAG", "BLOCK"]
+
+    def __init__(self, compiled=True):
+        self.launches, self.runs, self.compiled = [], [], compiled
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+            return _Compiled(self.runs) if self.compiled else None
+        return launch
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    monkeypatch.setattr(launcher, "DIRECT", True)
+    monkeypatch.setattr(launcher, "_current_device", lambda: 0)
+    monkeypatch.setattr(launcher, "_current_stream", lambda device: 1234)
+    launcher.clear()
+    yield
+    launcher.clear()
+
+
+def _launch(kernel, x, n=5, flag=True):
+    launcher.launch(kernel, 3, (x, n), {"FLAG": flag, "BLOCK": 64}, {"num_warps": 4})
+
+
+def test_a_repeated_launch_calls_the_compiled_launcher(direct):
+    kernel, x = _Kernel(), torch.zeros(8)
+    _launch(kernel, x)
+    assert kernel.launches == [((3,), (x, 5), {"FLAG": True, "BLOCK": 64, "num_warps": 4})]
+    _launch(kernel, x)
+    _launch(kernel, x)
+    assert len(kernel.launches) == 1
+    hooks = knobs.runtime
+    expected = (3, 1, 1, 1234, "function", "packed", ("metadata", (3,), 1234),
+                hooks.launch_enter_hook, hooks.launch_exit_hook, x, 5, True, 64)
+    assert len(kernel.runs) == 2
+    assert all(len(run) == len(expected) and all(a is b or a == b for a, b in zip(run, expected))
+               for run in kernel.runs)
+
+
+@pytest.mark.parametrize("change", ["address", "dtype", "int", "constexpr", "device"])
+def test_any_other_launch_goes_through_triton(direct, monkeypatch, change):
+    kernel, x = _Kernel(), torch.zeros(8)
+    _launch(kernel, x)
+    if change == "address":
+        _launch(kernel, x[4:])
+    elif change == "dtype":
+        _launch(kernel, x.view(torch.int32))
+    elif change == "int":
+        _launch(kernel, x, n=6)
+    elif change == "constexpr":
+        _launch(kernel, x, flag=False)
+    else:
+        monkeypatch.setattr(launcher, "_current_device", lambda: 1)
+        _launch(kernel, x)
+    assert len(kernel.launches) == 2 and not kernel.runs
+
+
+def test_off_and_interpreted_launches_always_go_through_triton(direct, monkeypatch):
+    interpreted, x = _Kernel(compiled=False), torch.zeros(8)  # no compiled kernel back
+    for _ in range(3):
+        _launch(interpreted, x)
+    assert len(interpreted.launches) == 3
+    monkeypatch.setattr(launcher, "DIRECT", False)
+    kernel = _Kernel()
+    for _ in range(3):
+        _launch(kernel, x)
+    assert len(kernel.launches) == 3 and not kernel.runs
+
+
+def test_the_oldest_launches_are_forgotten(direct):
+    kernel, x = _Kernel(), torch.zeros(64)
+    for i in range(launcher._CAPACITY + 1):
+        _launch(kernel, x[i:])
+    _launch(kernel, x[launcher._CAPACITY:])  # the newest: reused
+    _launch(kernel, x)  # the oldest: forgotten
+    assert len(kernel.launches) == launcher._CAPACITY + 2 and len(kernel.runs) == 1
+
+
+def test_constexprs_out_of_order_are_refused(direct):
+    with pytest.raises(ValueError, match=r"constexprs must name .*\('FLAG', 'BLOCK'\)"):
+        launcher.launch(_Kernel(), 1, (torch.zeros(1), 1), {"BLOCK": 64, "FLAG": True}, {})
+
+
+def test_every_launch_site_names_its_constexprs_in_order(monkeypatch):
+    """Each kernel launch of the package, in each of its forms, passes its constexprs in the
+    kernel's order (the direct launcher passes them positionally)."""
+    seen = set()
+
+    def checked(kernel, grid, args, constexprs, options):
+        launcher._check_order(kernel, len(args), constexprs)
+        seen.add((kernel.__name__, *sorted(k for k, v in constexprs.items() if v is True)))
+        kernel[(grid,)](*args, **constexprs, **options)
+
+    monkeypatch.setattr(unscale, "launch", checked)
+    monkeypatch.setattr(update, "launch", checked)
+    found, scale = torch.zeros(()), torch.ones(())
+    for grads in ([torch.ones(5)], [torch.ones(5), torch.ones(3)]):
+        launch_unscale(grads, found, scale)
+        launch_unscale(grads, found, scale, write=False, norm=2)
+        launch_unscale(grads, found, scale, clip_coef=torch.ones(()), inv_from_scale=True)
+    policy = ScalePolicy(hysteresis=2)
+    launch_update_scale(scale, torch.zeros((), dtype=torch.int32), torch.zeros(2),
+                        policy.kernel_params(scale.device), torch.ones((), dtype=torch.int32),
+                        False, skipped=torch.zeros((), dtype=torch.bool),
+                        skipped_count=torch.zeros((), dtype=torch.int64), reset_found=True)
+    assert {name for name, *_ in seen} == {"unscale_kernel", "update_scale_kernel"}
+    assert len(seen) >= 5
