@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Issue 11 in one command on a bare GPU machine (torch, triton, pytest, pytest-benchmark; no
 # network). Usage:
-#   bash benchmarks/gpu_all.sh [all|tests|bench|suite] [OUT_DIR]
-#     tests  tests/run_gpu.sh: the GPU tests and the reference tests (log + junit XML)
+#   bash benchmarks/gpu_all.sh [all|tests|direct|bench|suite] [OUT_DIR]
+#     tests  the GPU tests and the reference tests (tests/run_gpu.sh's first pass; junit XML)
+#     direct the kernel tests again with the direct launcher on (run_gpu.sh's second pass)
 #     bench  benchmarks/gpu_figures.py: the issue's figures (figures.json / figures.md)
 #     suite  the pytest-benchmark suites at full sizes (suite.json, for benchmarks/plot.py)
-#     all    tests, then bench (default); the suite only when asked for
+#     all    tests, direct, then bench (default); the suite only when asked for
 # Everything goes under OUT_DIR (default: $OUT when set, else benchmarks/results/gpu), with
 # summary.txt: device, versions, date and each part's outcome. Each part has a time limit and
 # a failing part does not stop the next, so a part can be re-run alone. Plots need matplotlib:
@@ -56,11 +57,17 @@ run_part() {  # name, seconds, command...
 install
 header
 python -c "import triton_scaler.kernels" || { echo "triton_scaler does not import" | tee -a "$summary"; exit 1; }
+export TRITON_SCALER_GPU_TESTS=1
 if [[ $part == all || $part == tests ]]; then
-  run_part tests 300 bash tests/run_gpu.sh -p no:cacheprovider --junitxml="$out/tests.xml"
+  run_part tests 230 python -m pytest -q -rs -p no:cacheprovider tests --junitxml="$out/tests.xml"
+fi
+if [[ $part == all || $part == direct ]]; then
+  run_part direct 60 python -m pytest -q -rs -p no:cacheprovider --direct-launch \
+    tests/test_gpu.py tests/test_ops_unscale.py tests/test_ops_update.py tests/test_buckets.py \
+    tests/test_launch_count.py --junitxml="$out/direct.xml"
 fi
 if [[ $part == all || $part == bench ]]; then
-  run_part bench 200 python benchmarks/gpu_figures.py --out "$out"
+  run_part bench 190 python benchmarks/gpu_figures.py --out "$out"
   [[ -f $out/figures.md ]] && cat "$out/figures.md" >> "$summary"
 fi
 if [[ $part == suite ]]; then
