@@ -112,11 +112,11 @@ def _block_pass(ptrs, mask, inv, coef, HAS_MASK: tl.constexpr, WRITE: tl.constex
 def unscale_kernel(
     grad_ptr,
     table_ptr,
-    n_elements,
     inv_scale_ptr,
     found_inf_ptr,
     coef_ptr,
     partial_ptr,
+    n_elements,
     BLOCK: tl.constexpr,
     USE_TABLE: tl.constexpr,
     WRITE: tl.constexpr,
@@ -218,9 +218,9 @@ def launch_unscale(
         _captured[id(plan.table)] = plan.table
     with launch_device(base):
         launch(unscale_kernel, plan.grid, (
-            _as_kernel_view(base), found_inf if plan.table is None else plan.table, plan.n,
+            _as_kernel_view(base), found_inf if plan.table is None else plan.table,
             inv_scale, found_inf, found_inf if clip_coef is None else clip_coef, partials,
-        ), dict(
+        ), (plan.n,), dict(
             BLOCK=_block(), USE_TABLE=plan.table is not None, WRITE=write,
             BF16_BITS=base.dtype == torch.bfloat16 and is_interpreting(),
             VEC=16 // base.element_size(), FP64=fp64, ROUND=write or norm != 0, NORM=norm,

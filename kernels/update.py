@@ -125,7 +125,7 @@ def launch_update_scale(
             hysteresis_tracker if has_hysteresis else growth_tracker, params,
             skipped.view(torch.uint8) if record else found_inf,
             skipped_count if record else growth_tracker,
-        ), dict(
+        ), (), dict(
             N_FOUND=n_found, HAS_HYSTERESIS=has_hysteresis,
             CONSECUTIVE_HYSTERESIS=consecutive_hysteresis, DYNAMIC=dynamic, RECORD_SKIP=record,
             RESET_FOUND=reset_found,

@@ -40,9 +40,9 @@ def _compile(fn, signature, constexprs, attrs, num_warps):
 
 
 def _unscale_signature(dtype):
-    return {"grad_ptr": f"*{dtype}", "table_ptr": "*i64", "n_elements": "i64",
+    return {"grad_ptr": f"*{dtype}", "table_ptr": "*i64",
             "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "coef_ptr": "*fp32",
-            "partial_ptr": "*fp32" if dtype != "fp64" else "*fp64",
+            "partial_ptr": "*fp32" if dtype != "fp64" else "*fp64", "n_elements": "i64",
             **{name: "constexpr" for name in ("BLOCK", "USE_TABLE", "WRITE", "BF16_BITS",
                                               "VEC", "FP64", "ROUND", "NORM", "CLIP",
                                               "INV_FROM_SCALE")}}

@@ -27,7 +27,7 @@ class _Compiled:
 
 
 class _Kernel:
-    arg_names = ["x_ptr", "n", "FLAG", "BLOCK"]
+    arg_names = ["x_ptr", "n", "FLAG", "BLOCK"]  # a tensor, a scalar, two constexprs
 
     def __init__(self, compiled=True):
         self.launches, self.runs, self.compiled = [], [], compiled
@@ -50,7 +50,7 @@ def direct(monkeypatch):
 
 
 def _launch(kernel, x, n=5, flag=True):
-    launcher.launch(kernel, 3, (x, n), {"FLAG": flag, "BLOCK": 64}, {"num_warps": 4})
+    launcher.launch(kernel, 3, (x,), (n,), {"FLAG": flag, "BLOCK": 64}, {"num_warps": 4})
 
 
 def test_a_repeated_launch_calls_the_compiled_launcher(direct):
@@ -109,7 +109,7 @@ def test_the_oldest_launches_are_forgotten(direct):
 
 def test_constexprs_out_of_order_are_refused(direct):
     with pytest.raises(ValueError, match=r"constexprs must name .*\('FLAG', 'BLOCK'\)"):
-        launcher.launch(_Kernel(), 1, (torch.zeros(1), 1), {"BLOCK": 64, "FLAG": True}, {})
+        launcher.launch(_Kernel(), 1, (torch.zeros(1),), (1,), {"BLOCK": 64, "FLAG": True}, {})
 
 
 def test_every_launch_site_names_its_constexprs_in_order(monkeypatch):
@@ -117,10 +117,12 @@ def test_every_launch_site_names_its_constexprs_in_order(monkeypatch):
     kernel's order (the direct launcher passes them positionally)."""
     seen = set()
 
-    def checked(kernel, grid, args, constexprs, options):
-        launcher._check_order(kernel, len(args), constexprs)
+    def checked(kernel, grid, tensors, scalars, constexprs, options):
+        assert all(isinstance(t, torch.Tensor) for t in tensors)
+        assert not any(isinstance(s, torch.Tensor) for s in scalars)
+        launcher._check_order(kernel, len(tensors) + len(scalars), constexprs)
         seen.add((kernel.__name__, *sorted(k for k, v in constexprs.items() if v is True)))
-        kernel[(grid,)](*args, **constexprs, **options)
+        kernel[(grid,)](*tensors, *scalars, **constexprs, **options)
 
     monkeypatch.setattr(unscale, "launch", checked)
     monkeypatch.setattr(update, "launch", checked)
