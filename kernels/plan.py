@@ -29,6 +29,7 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
 
     Cached on the grads' addresses and sizes (the last 32 layouts), so a training loop whose
     grads keep their storage builds it once; a hit costs one pass over the grads' addresses.
+    Grads at new addresses with sizes seen before (:func:`_chunks`) cost six small ops.
     """
     first = grads[0]
     if addresses is None:
@@ -39,14 +40,10 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
         _tables.move_to_end(key)
         return table
     unique_addresses, numels = _without_aliases(addresses, numels)
-    ptrs = torch.tensor(unique_addresses, dtype=torch.int64)
-    sizes = torch.tensor(numels, dtype=torch.int64)
-    rel = (ptrs - ptrs[0]) // first.element_size()
-    n_chunks = (sizes + block - 1) // block
-    owner = torch.repeat_interleave(torch.arange(len(unique_addresses)), n_chunks)
-    first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
-    offset = (torch.arange(owner.numel()) - first_chunk[owner]) * block
-    table = torch.stack([rel[owner] + offset, torch.clamp(sizes[owner] - offset, max=block)], 1)
+    owner, offset, length = _chunks(numels, block)
+    rel = torch.tensor(unique_addresses, dtype=torch.int64).sub_(unique_addresses[0])
+    rel = rel.div_(first.element_size(), rounding_mode="floor")
+    table = torch.stack([rel[owner].add_(offset), length], 1)
     if first.is_cuda:  # pinned + non_blocking: the upload does not wait for the stream
         host = table.pin_memory()
         table = host.to(first.device, non_blocking=True)
@@ -56,6 +53,31 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
     if len(_tables) > _TABLE_CACHE_SIZE:
         _tables.popitem(last=False)
     return table
+
+
+_chunk_patterns: OrderedDict[tuple, tuple] = OrderedDict()
+
+
+def _chunks(numels: tuple[int, ...], block: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
+    """The part of a chunk table that depends on the sizes alone, per chunk: its tensor's
+    index, its offset in that tensor and its length (CPU int64). Cached on the sizes (the last
+    8), so grads at new addresses with the sizes of earlier ones (a training step whose
+    allocator handed out other blocks) only add their tensors' offsets: six small ops."""
+    key = (numels, block)
+    chunks = _chunk_patterns.get(key)
+    if chunks is not None:
+        _chunk_patterns.move_to_end(key)
+        return chunks
+    sizes = torch.tensor(numels, dtype=torch.int64)
+    n_chunks = (sizes + block - 1) // block
+    owner = torch.repeat_interleave(torch.arange(len(numels)), n_chunks)
+    first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
+    offset = (torch.arange(owner.numel()) - first_chunk[owner]) * block
+    chunks = _chunk_patterns[key] = (owner, offset, torch.clamp(sizes[owner] - offset, max=block))
+    if len(_chunk_patterns) > 8:
+        _chunk_patterns.popitem(last=False)
+    return chunks
 
 
 #: Tables (and the pinned host buffers of their uploads) that a captured CUDA graph uses: a

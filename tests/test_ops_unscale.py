@@ -151,6 +151,33 @@ def test_repeated_calls_reuse_the_cached_chunk_table(triton_device):
     assert len(plan._tables) == 1
 
 
+@pytest.mark.parametrize("special", SPECIALS)
+def test_grads_at_new_addresses_with_known_sizes(triton_device, special):
+    """A new table from the cached size pattern (kernels/plan.py ``_chunks``): the same sizes
+    at other addresses, in another address order (the first grad now above the others), with
+    a non-finite value planted at the last element of the last grad, match torch's op."""
+    from triton_scaler.kernels import plan
+
+    sizes = [7, 3 * BLOCK + 5, 1, BLOCK - 1, 300]
+    inv = torch.tensor(1 / 3.0)
+    plan._tables.clear()
+    plan._chunk_patterns.clear()
+    storages = [torch.empty(sum(sizes) + 64 * step, device=triton_device) for step in range(3)]
+    for step, storage in enumerate(storages):  # all alive: other addresses each step
+        grads = [storage[-n:] if i == 0 else storage[sum(sizes[1:i]):][:n]
+                 for i, n in enumerate(sizes)]  # grads[0] at the end of the storage
+        sources = _grads(sizes, torch.float32, seed=step)
+        sources[-1][-1] = special if step == 2 else 1.0
+        for g, src in zip(grads, sources):
+            g.copy_(src)
+        expected, found_expected = _oracle(sources, inv)
+        found = torch.zeros((), device=triton_device)
+        ops.non_finite_check_and_unscale_(grads, found, inv.to(triton_device), backend="triton")
+        assert_all_same([g.cpu() for g in grads], expected)
+        assert_same(found.cpu(), found_expected)
+    assert len(plan._tables) == 3 and len(plan._chunk_patterns) == 1
+
+
 @pytest.mark.parametrize("bad, error, match", [
     ("fast", ValueError, "backend must be one of 'auto', 'reference', 'triton'"),
     (None, ValueError, "backend must be one of"),
