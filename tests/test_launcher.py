@@ -112,7 +112,7 @@ def test_constexprs_out_of_order_are_refused(direct):
         launcher.launch(_Kernel(), 1, (torch.zeros(1),), (1,), {"BLOCK": 64, "FLAG": True}, {})
 
 
-def test_every_launch_site_names_its_constexprs_in_order(monkeypatch):
+def test_every_launch_site_names_its_constexprs_in_order(monkeypatch, triton_device):
     """Each kernel launch of the package, in each of its forms, passes its constexprs in the
     kernel's order (the direct launcher passes them positionally)."""
     seen = set()
@@ -126,15 +126,18 @@ def test_every_launch_site_names_its_constexprs_in_order(monkeypatch):
 
     monkeypatch.setattr(unscale, "launch", checked)
     monkeypatch.setattr(update, "launch", checked)
-    found, scale = torch.zeros(()), torch.ones(())
-    for grads in ([torch.ones(5)], [torch.ones(5), torch.ones(3)]):
+
+    def zeros(*shape, dtype=torch.float32):
+        return torch.zeros(shape, dtype=dtype, device=triton_device)
+
+    found, scale = zeros(), zeros() + 1
+    for grads in ([zeros(5) + 1], [zeros(5) + 1, zeros(3) + 1]):
         launch_unscale(grads, found, scale)
         launch_unscale(grads, found, scale, write=False, norm=2)
-        launch_unscale(grads, found, scale, clip_coef=torch.ones(()), inv_from_scale=True)
-    policy = ScalePolicy(hysteresis=2)
-    launch_update_scale(scale, torch.zeros((), dtype=torch.int32), torch.zeros(2),
-                        policy.kernel_params(scale.device), torch.ones((), dtype=torch.int32),
-                        False, skipped=torch.zeros((), dtype=torch.bool),
-                        skipped_count=torch.zeros((), dtype=torch.int64), reset_found=True)
+        launch_unscale(grads, found, scale, clip_coef=scale, inv_from_scale=True)
+    launch_update_scale(scale, zeros(dtype=torch.int32), zeros(2),
+                        ScalePolicy(hysteresis=2).kernel_params(triton_device),
+                        zeros(dtype=torch.int32) + 1, False, skipped=zeros(dtype=torch.bool),
+                        skipped_count=zeros(dtype=torch.int64), reset_found=True)
     assert {name for name, *_ in seen} == {"unscale_kernel", "update_scale_kernel"}
     assert len(seen) >= 5
