@@ -99,7 +99,7 @@ def _cuda_train(scaler, device, fused, steps=30, overflow_at=(3, 4, 17), buckets
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(opt)
         scaler.update()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not buckets)  # buckets: the grads stay their views
         trajectory.append((scaler.get_scale(), scaler._get_growth_tracker()))
     return trajectory, [p.detach().clone() for p in model.parameters()]
 
