@@ -27,6 +27,8 @@ import operator
 from collections import OrderedDict
 
 import torch
+from triton import knobs
+from triton.runtime import driver
 
 #: Use the compiled kernels' launchers directly for repeated launches (see the module doc).
 DIRECT = False
@@ -46,6 +48,7 @@ def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
         kernel[(grid,)](*tensors, *scalars, **constexprs, **options)
         return
     cache = _compiled.get(kernel)  # none yet, or never (the interpreter compiles nothing)
+    key = None
     if cache is not None:
         device = _current_device()
         key = _key(device, tensors, scalars, constexprs)
@@ -60,7 +63,8 @@ def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
         if cache is None:
             _check_order(kernel, len(tensors) + len(scalars), constexprs)
             cache = _compiled[kernel] = OrderedDict()
-        cache[_key(_current_device(), tensors, scalars, constexprs)] = compiled
+            key = _key(_current_device(), tensors, scalars, constexprs)
+        cache[key] = compiled
         if len(cache) > _CAPACITY:
             cache.popitem(last=False)
 
@@ -84,14 +88,10 @@ def _key(device: int, tensors: tuple, scalars: tuple, constexprs: dict) -> tuple
 
 
 def _current_device() -> int:
-    from triton.runtime import driver
-
     return driver.active.get_current_device()
 
 
 def _current_stream(device: int) -> int:
-    from triton.runtime import driver
-
     return driver.active.get_current_stream(device)
 
 
@@ -106,8 +106,6 @@ def _check_order(kernel, n_args: int, constexprs: dict) -> None:
 
 def _run(compiled, grid: int, stream, values: tuple) -> None:
     """What ``JITFunction.run`` does once it has its compiled kernel (triton 3.6 to 3.9)."""
-    from triton import knobs
-
     hooks = knobs.runtime
     compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
                  compiled.launch_metadata((grid,), stream, *values),

@@ -17,6 +17,7 @@ import torch
 import triton
 
 _TABLE_CACHE_SIZE = 32
+_PATTERN_CACHE_SIZE = 8
 
 _tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
@@ -62,7 +63,7 @@ def _chunks(numels: tuple[int, ...], block: int) -> tuple[torch.Tensor, torch.Te
                                                            torch.Tensor]:
     """The part of a chunk table that depends on the sizes alone, per chunk: its tensor's
     index, its offset in that tensor and its length (CPU int64). Cached on the sizes (the last
-    8), so grads at new addresses with the sizes of earlier ones (a training step whose
+    ``_PATTERN_CACHE_SIZE``), so grads at new addresses with the sizes of earlier ones (a training step whose
     allocator handed out other blocks) only add their tensors' offsets: six small ops."""
     key = (numels, block)
     chunks = _chunk_patterns.get(key)
@@ -75,7 +76,7 @@ def _chunks(numels: tuple[int, ...], block: int) -> tuple[torch.Tensor, torch.Te
     first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
     offset = (torch.arange(owner.numel()) - first_chunk[owner]) * block
     chunks = _chunk_patterns[key] = (owner, offset, torch.clamp(sizes[owner] - offset, max=block))
-    if len(_chunk_patterns) > 8:
+    if len(_chunk_patterns) > _PATTERN_CACHE_SIZE:
         _chunk_patterns.popitem(last=False)
     return chunks
 
@@ -121,7 +122,7 @@ class UnscalePlan:
         self.grid, self.copies, self.reusable = grid, copies, reusable
 
     def template(self) -> UnscalePlan:
-        return UnscalePlan(None, self.base_index, self.table, self.n, self.grid, [], True)
+        return self.rebased(None)
 
     def rebased(self, base: torch.Tensor | None) -> UnscalePlan:
         """This template over a new grads list at the same addresses, whose
