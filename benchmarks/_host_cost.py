@@ -104,8 +104,10 @@ class _NoStepFused(_NoStep):
 #: ``same``: the same grad tensors (``zero_grad(set_to_none=False)``, or GradBuckets);
 #: ``new_tensors``: new grad tensors at the same addresses (``zero_grad()`` + backward on a
 #: GPU, whose caching allocator hands the same blocks back in the same order);
+#: ``alternating``: two sets of grad memory, one step each (an allocator whose blocks cycle
+#: with period 2: the forward takes the blocks the last grads freed);
 #: ``new_memory``: new grad tensors at new addresses (the worst case: every cache misses).
-GRAD_MODES = ("same", "new_tensors", "new_memory")
+GRAD_MODES = ("same", "new_tensors", "alternating", "new_memory")
 
 
 def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = False,
@@ -128,9 +130,15 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
               else GradScaler(kind, backend="triton"))
     loss = torch.ones((), device=device)
     torch.stack([p[:1] for p in params]).sum().backward()
+    spare = [p.grad.clone() for p in params] if grads == "alternating" else []
 
     def prepare() -> None:
-        if grads == "new_tensors":
+        if grads == "alternating":
+            last = [p.grad for p in params]
+            for p, g in zip(params, spare):
+                p.grad = g
+            spare[:] = last
+        elif grads == "new_tensors":
             for p in params:
                 p.grad = p.grad.detach()  # a new tensor over the same memory
         elif grads == "new_memory":
@@ -159,8 +167,9 @@ def _counted(impl: str, n_params: int, **flags) -> dict:
     """Launches per step (kernels and other ops) of one scaler, in an untimed step."""
     with noop_launches() as counts:
         prepare, step = make_step(impl, n_params, **flags)
-        step()  # warm-up: caches, lazy init
-        prepare()
+        for _ in range(2):  # warm-up: caches, lazy init, both sets of alternating grads
+            step()
+            prepare()
         counts.clear()
         with _CountOps() as mode:
             step()
@@ -222,6 +231,7 @@ PAIRS: list[tuple[str, dict, dict]] = [
     ("plain, GradBuckets (torch: grads same)", {"buckets": True}, {"grads": "same"}),
     ("fused, grads same", {"fused": True}, {"fused": True}),
     ("fused, GradBuckets (torch: grads same)", {"fused": True, "buckets": True}, {"fused": True}),
+    ("plain, grads alternating", {"grads": "alternating"}, {"grads": "alternating"}),
 ]
 
 #: Each scaler's distinct cases of PAIRS, for the pytest-benchmark suite (one test each).

@@ -13,7 +13,7 @@ from _util import assert_all_same
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton_scaler.kernels import unscale, update
 
-from triton_scaler import GradBuckets, GradScaler
+from triton_scaler import GradBuckets, GradScaler, kernels
 
 _IN_KERNEL = [0]  # the interpreter's own tensor work inside a launch is not counted
 
@@ -309,3 +309,48 @@ def test_reused_plans_with_empty_grads_first(backend, sizes):
     actual = run(GradScaler("cpu", init_scale=4.0, growth_interval=1, backend=backend))
     assert actual[0] == expected[0]
     assert_all_same(actual[1], expected[1])
+
+
+@pytest.mark.parametrize("n_layouts", [2, 5])  # 5: more than the plans kept per optimizer
+def test_grads_cycling_through_memory_layouts(backend, n_layouts, monkeypatch):
+    """Grads whose memory cycles through a few address layouts (an allocator handing back
+    the blocks of an earlier step) reuse those layouts' launch plans, and more layouts than
+    are kept replan: inf / NaN / -inf planted at the first and last element of the first and
+    last grad skip exactly torch's steps, and the parameters equal torch's."""
+    sizes = (7, 300, 1, 0, 33)
+
+    def run(scaler):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        pools = [[torch.empty(n) for n in sizes] for _ in range(n_layouts)]
+        planted = {n_layouts + 1: (-1, -1, float("inf")), 2 * n_layouts: (0, 0, float("nan")),
+                   2 * n_layouts + 1: (0, -1, -float("inf")), 3 * n_layouts: (-1, 0, float("nan"))}
+        scales = []
+        for step in range(3 * n_layouts + 2):
+            for p, memory in zip(params, pools[step % n_layouts]):
+                p.grad = memory.zero_()  # backward accumulates into this layout's memory
+            loss = sum((p * (i + 1)).square().sum() for i, p in enumerate(params))
+            scaler.scale(loss).backward()
+            if step in planted:
+                which, at, value = planted[step]
+                params[which].grad[at] = value
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales, [p.detach().clone() for p in params]
+
+    kwargs = dict(init_scale=2.0**8, growth_interval=2)
+    expected = run(torch.amp.GradScaler("cpu", **kwargs))
+    built = Counter()
+
+    def counted(*args, build=kernels.plan_unscale):
+        built["plans"] += 1
+        return build(*args)
+
+    monkeypatch.setattr(kernels, "plan_unscale", counted)
+    actual = run(GradScaler("cpu", **kwargs, backend=backend))
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])
+    if backend == "triton":  # each layout planned once while they fit, every step otherwise
+        assert built["plans"] == (n_layouts if n_layouts <= 4 else 3 * n_layouts + 2)

@@ -5,13 +5,15 @@ parameter objects (one identity pass; none when GradBuckets hold every parameter
 whose grads are those of the last step, or new grads at the same addresses, costs: nothing
 per parameter when GradBuckets hold every grad; otherwise one C-level pass reading the grads
 and one reading their addresses, then the last step's launch plans (no hashing, no table).
+Grads back at the addresses of one of the last few steps (an allocator whose blocks cycle)
+add one hash of the addresses.
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from weakref import WeakKeyDictionary
 
 import torch
@@ -27,6 +29,9 @@ _DTYPE = operator.attrgetter("dtype")
 _DEVICE_INDEX = torch.Tensor.get_device
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
+
+#: Address layouts of the grads whose launch plans a layout keeps (the last ones seen).
+_PLAN_CACHE_SIZE = 4
 
 
 class PerDevice(_MultiDeviceReplicator):
@@ -77,10 +82,12 @@ class _Layout:
         # (device, dtype, picks the group's items out of a list over ``outside``)
         self.plain_groups = [(device, dtype, _picker(indices, len(self.outside)))
                              for (device, dtype), indices in by_key.items()]
-        # (the scaler's backend, the grads' addresses at the last step, each plain group's
-        # launch plan without its grads) when every group had a reusable Triton plan. No
-        # grad is held, so zero_grad(set_to_none=True) frees them.
-        self.plans: tuple | None = None
+        # the grads' addresses -> (the scaler's backend, each plain group's launch plan
+        # without its grads), for the last address layouts where every group had a reusable
+        # Triton plan; ``last`` is the newest (key, value), compared without hashing. No grad
+        # is held, so zero_grad(set_to_none=True) frees them.
+        self.plans: OrderedDict[tuple[int, ...], tuple] = OrderedDict()
+        self.last: tuple | None = None
 
     def is_current(self, optimizer: torch.optim.Optimizer) -> bool:
         """The optimizer still holds these parameter objects. One C-level identity pass when
@@ -159,10 +166,10 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
         addresses = tuple(map(_DATA_PTR, grads))
     except (TypeError, RuntimeError):  # a None grad (no data_ptr), a sparse one
         return None
-    plans = layout.plans
-    if plans is not None and plans[0] == backend and plans[1] == addresses:
+    entry = _known_plans(layout, addresses)
+    if entry is not None and entry[0] == backend:
         groups = []
-        for (device, dtype, pick), template in zip(layout.plain_groups, plans[2]):
+        for (device, dtype, pick), template in zip(layout.plain_groups, entry[1]):
             members = pick(grads)
             base = members[template.base_index]  # its first non-empty grad
             if base.dtype != dtype or base.device != device:
@@ -171,6 +178,19 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
         else:
             return groups
     return _groups_planned(layout, backend, grads, addresses)
+
+
+def _known_plans(layout: _Layout, addresses: tuple[int, ...]) -> tuple | None:
+    """The stored plans of grads at ``addresses``: the last step's through one comparison,
+    else one of the last ``_PLAN_CACHE_SIZE`` layouts' through a hash of the addresses."""
+    last = layout.last
+    if last is not None and last[0] == addresses:
+        return last[1]
+    entry = layout.plans.get(addresses)
+    if entry is not None:
+        layout.plans.move_to_end(addresses)
+        layout.last = (addresses, entry)
+    return entry
 
 
 def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
@@ -195,8 +215,15 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
             plan = group.launch_target()
             templates.append(plan.template() if plan.reusable else None)
         groups.append(group)
-    reusable = len(templates) == len(groups) and None not in templates
-    layout.plans = (backend, addresses, templates) if reusable else None
+    if len(templates) == len(groups) and None not in templates:  # reusable: stored
+        entry = layout.plans[addresses] = (backend, templates)
+        layout.plans.move_to_end(addresses)
+        layout.last = (addresses, entry)
+        if len(layout.plans) > _PLAN_CACHE_SIZE:
+            layout.plans.popitem(last=False)
+    else:
+        layout.plans.pop(addresses, None)
+        layout.last = None
     return groups
 
 
