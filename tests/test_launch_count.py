@@ -354,3 +354,34 @@ def test_grads_cycling_through_memory_layouts(backend, n_layouts, monkeypatch):
     assert_all_same(actual[1], expected[1])
     if backend == "triton":  # each layout planned once while they fit, every step otherwise
         assert built["plans"] == (n_layouts if n_layouts <= 4 else 3 * n_layouts + 2)
+
+
+def test_parameter_resized_in_place_then_a_new_parameter_list(backend):
+    """The remedy the README gives for the one change the address check cannot see: a
+    parameter resized in place (``param.data = ...``) whose new grad starts at its old grad's
+    address, then ``group["params"] = list(group["params"])``: re-planned, equal to torch,
+    with an inf planted in the last element of the grown grad."""
+    def run(scaler):
+        torch.manual_seed(0)
+        memory = [torch.zeros(7), torch.zeros(400), torch.zeros(33)]
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 300, 33)]
+        opt = torch.optim.SGD(params, lr=0.1)
+        for step in range(5):
+            if step == 2:
+                params[1].grad = None
+                params[1].data = torch.randn(350)  # its grad now starts where it did
+                group = opt.param_groups[0]
+                group["params"] = list(group["params"])
+            for p, m in zip(params, memory):
+                p.grad = m[: p.numel()].zero_()
+            scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(params))).backward()
+            if step == 3:
+                params[1].grad[-1] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        return scaler.get_scale(), [p.detach().clone() for p in params]
+
+    expected = run(torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1))
+    actual = run(GradScaler("cpu", init_scale=8.0, growth_interval=1, backend=backend))
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])
