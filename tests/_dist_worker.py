@@ -5,13 +5,11 @@ import os
 
 import torch
 import torch.distributed as dist
+from _engines import _init_group
 
 
 def run(rank, world_size, port, optimizer_name, backend, overflow_steps, out_dir):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=__import__("datetime").timedelta(seconds=60))
+    _init_group(rank, world_size, port)
     try:
         from triton_scaler import GradScaler
 
