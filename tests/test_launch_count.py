@@ -112,6 +112,14 @@ def os_interpreter_missing():
     return os.environ.get("TRITON_INTERPRET") != "1"
 
 
+def _assert_matches_torch(run, backend, **kwargs):
+    """``run(scaler) -> (scale(s), params)`` gives the same with torch's scaler and ours."""
+    expected = run(torch.amp.GradScaler("cpu", **kwargs))
+    actual = run(GradScaler("cpu", **kwargs, backend=backend))
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])
+
+
 def _train(scaler, n_opts, steps, overflow, replace=None, fresh=False):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(33)) for _ in range(n_opts)]
@@ -282,10 +290,7 @@ def _train_converting(scaler, steps=5, convert_at=2):
 
 def test_parameters_converted_in_place_at_the_same_addresses(backend):
     kwargs = dict(init_scale=2.0**8, growth_interval=2)
-    expected = _train_converting(torch.amp.GradScaler("cpu", **kwargs))
-    actual = _train_converting(GradScaler("cpu", **kwargs, backend=backend))
-    assert actual[0] == expected[0]
-    assert_all_same(actual[1], expected[1])
+    _assert_matches_torch(_train_converting, backend, **kwargs)
 
 
 @pytest.mark.parametrize("sizes", [(0, 5, 9), (0, 0, 7, 3), (4, 0, 6)])
@@ -305,10 +310,7 @@ def test_reused_plans_with_empty_grads_first(backend, sizes):
             scaler.update()
         return scaler.get_scale(), [p.detach().clone() for p in params]
 
-    expected = run(torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1))
-    actual = run(GradScaler("cpu", init_scale=4.0, growth_interval=1, backend=backend))
-    assert actual[0] == expected[0]
-    assert_all_same(actual[1], expected[1])
+    _assert_matches_torch(run, backend, init_scale=4.0, growth_interval=1)
 
 
 @pytest.mark.parametrize("n_layouts", [2, 5])  # 5: more than the plans kept per optimizer
@@ -340,18 +342,14 @@ def test_grads_cycling_through_memory_layouts(backend, n_layouts, monkeypatch):
             scales.append(scaler.get_scale())
         return scales, [p.detach().clone() for p in params]
 
-    kwargs = dict(init_scale=2.0**8, growth_interval=2)
-    expected = run(torch.amp.GradScaler("cpu", **kwargs))
     built = Counter()
 
     def counted(*args, build=kernels.plan_unscale):
         built["plans"] += 1
         return build(*args)
 
-    monkeypatch.setattr(kernels, "plan_unscale", counted)
-    actual = run(GradScaler("cpu", **kwargs, backend=backend))
-    assert actual[0] == expected[0]
-    assert_all_same(actual[1], expected[1])
+    monkeypatch.setattr(kernels, "plan_unscale", counted)  # torch's scaler plans nothing
+    _assert_matches_torch(run, backend, init_scale=2.0**8, growth_interval=2)
     if backend == "triton":  # each layout planned once while they fit, every step otherwise
         assert built["plans"] == (n_layouts if n_layouts <= 4 else 3 * n_layouts + 2)
 
@@ -381,7 +379,4 @@ def test_parameter_resized_in_place_then_a_new_parameter_list(backend):
             scaler.update()
         return scaler.get_scale(), [p.detach().clone() for p in params]
 
-    expected = run(torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1))
-    actual = run(GradScaler("cpu", init_scale=8.0, growth_interval=1, backend=backend))
-    assert actual[0] == expected[0]
-    assert_all_same(actual[1], expected[1])
+    _assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
