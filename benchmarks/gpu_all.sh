@@ -64,7 +64,7 @@ fi
 if [[ $part == all || $part == direct ]]; then
   run_part direct 60 python -m pytest -q -rs -p no:cacheprovider --direct-launch \
     tests/test_gpu.py tests/test_ops_unscale.py tests/test_ops_update.py tests/test_buckets.py \
-    tests/test_launch_count.py --junitxml="$out/direct.xml"
+    tests/test_launch_count.py tests/test_plan_reuse.py --junitxml="$out/direct.xml"
 fi
 if [[ $part == all || $part == bench ]]; then
   run_part bench 190 python benchmarks/gpu_figures.py --out "$out"

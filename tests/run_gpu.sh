@@ -12,6 +12,6 @@ python -m pytest -q -rs tests "$@" || status=$?
 again=()  # the same pytest args but the junit report (the first run's)
 for arg in "$@"; do [[ $arg == --junitxml=* ]] || again+=("$arg"); done
 python -m pytest -q -rs tests/test_gpu.py tests/test_ops_unscale.py tests/test_ops_update.py \
-  tests/test_buckets.py tests/test_launch_count.py --direct-launch ${again[@]+"${again[@]}"} \
+  tests/test_buckets.py tests/test_launch_count.py tests/test_plan_reuse.py --direct-launch ${again[@]+"${again[@]}"} \
   || status=$?
 exit $status

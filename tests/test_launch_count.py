@@ -1,6 +1,6 @@
 """Issue 15: exactly one kernel launch per gradient group / bucket for unscale_ (or the
 fused route's check) and exactly one for update(), no other device op; the O(1) bucket path
-and the address-keyed launch plans stay exact when grads are replaced."""
+stays exact when grads are replaced (the no-bucket plans: test_plan_reuse.py)."""
 
 import contextlib
 import gc
@@ -13,7 +13,7 @@ from _util import assert_all_same
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton_scaler.kernels import unscale, update
 
-from triton_scaler import GradBuckets, GradScaler, kernels
+from triton_scaler import GradBuckets, GradScaler
 
 _IN_KERNEL = [0]  # the interpreter's own tensor work inside a launch is not counted
 
@@ -112,14 +112,6 @@ def os_interpreter_missing():
     return os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def _assert_matches_torch(run, backend, **kwargs):
-    """``run(scaler) -> (scale(s), params)`` gives the same with torch's scaler and ours."""
-    expected = run(torch.amp.GradScaler("cpu", **kwargs))
-    actual = run(GradScaler("cpu", **kwargs, backend=backend))
-    assert actual[0] == expected[0]
-    assert_all_same(actual[1], expected[1])
-
-
 def _train(scaler, n_opts, steps, overflow, replace=None, fresh=False):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(33)) for _ in range(n_opts)]
@@ -210,42 +202,6 @@ def test_no_grad_is_kept_alive_between_steps(backend):
         assert all(r() is None for r in refs)
 
 
-def _train_swapping(scaler, steps=6, swap_at=2, overflow=((4, 1),), buckets=False):
-    """SGD over three parameters whose middle one is replaced in place in the optimizer's
-    parameter list (same list, same length) by a larger one at ``swap_at``."""
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9, 3)]
-    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    bucketed = GradBuckets(opt) if buckets else None
-    for step in range(steps):
-        if step == swap_at:
-            opt.param_groups[0]["params"][1] = torch.nn.Parameter(torch.randn(21))
-        live = opt.param_groups[0]["params"]
-        if bucketed is not None:
-            bucketed.zero_()  # the buckets' grads; the swapped-in parameter is outside them
-        opt.zero_grad(set_to_none=False)
-        scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(live))).backward()
-        for at, i in overflow:
-            if at == step:
-                live[i].grad[-1] = float("nan")
-        scaler.step(opt)
-        scaler.update()
-    return scaler.get_scale(), [p.detach().clone() for p in opt.param_groups[0]["params"]]
-
-
-@pytest.mark.parametrize("buckets", [False, True])
-def test_parameter_replaced_in_place_in_param_groups(backend, buckets):
-    """The cached layout is checked against the optimizer's live parameter objects: a
-    parameter swapped into the same list is unscaled and checked (its NaN skips the step).
-    With buckets: the swapped-out parameter receives no grad, so the per-parameter path runs
-    over the live parameters."""
-    kwargs = dict(init_scale=2.0**8, growth_interval=2)
-    expected = _train_swapping(torch.amp.GradScaler("cpu", **kwargs))
-    actual = _train_swapping(GradScaler("cpu", **kwargs, backend=backend), buckets=buckets)
-    assert actual[0] == expected[0]
-    assert_all_same(actual[1], expected[1])
-
-
 def test_reused_plans_follow_the_scaler_not_the_optimizer():
     """Two scalers with different backends on one optimizer share its cached layout and
     launch plans: each backend gets what it needs (the reference path, the grads)."""
@@ -263,120 +219,3 @@ def test_reused_plans_follow_the_scaler_not_the_optimizer():
             scaler.update()
         results.append([p.detach().clone() for p in params])
     assert_all_same(results[1], results[0])
-
-
-def _train_converting(scaler, steps=5, convert_at=2):
-    """Parameters converted in place to bf16 (``param.data = ...``, as ``module.to``) whose
-    new grads sit at the addresses of the old fp32 ones (a bf16 view of their memory): the
-    case where a cached launch plan would match every address but not the dtype."""
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9, 3)]
-    opt = torch.optim.SGD(params, lr=0.1)
-    for step in range(steps):
-        if step == convert_at:
-            for p in params:
-                old, p.grad = p.grad, None
-                p.data = p.data.to(torch.bfloat16)
-                p.grad = old.view(torch.bfloat16)[: p.numel()]
-        opt.zero_grad(set_to_none=False)
-        loss = sum((p.float() * (i + 1)).square().sum() for i, p in enumerate(params))
-        scaler.scale(loss).backward()
-        if step == 3:
-            params[2].grad[-1] = float("inf")
-        scaler.step(opt)
-        scaler.update()
-    return scaler.get_scale(), [p.detach().clone() for p in params]
-
-
-def test_parameters_converted_in_place_at_the_same_addresses(backend):
-    kwargs = dict(init_scale=2.0**8, growth_interval=2)
-    _assert_matches_torch(_train_converting, backend, **kwargs)
-
-
-@pytest.mark.parametrize("sizes", [(0, 5, 9), (0, 0, 7, 3), (4, 0, 6)])
-def test_reused_plans_with_empty_grads_first(backend, sizes):
-    """A group whose first grads are empty: the launch's base is its first non-empty grad,
-    also when the plan is reused at the next steps (same addresses)."""
-    def run(scaler):
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
-        opt = torch.optim.SGD(params, lr=0.5)
-        for step in range(4):
-            opt.zero_grad(set_to_none=False)
-            scaler.scale(sum((p * (i + 2)).sum() for i, p in enumerate(params))).backward()
-            if step == 2:
-                params[-1].grad[-1] = float("inf")
-            scaler.step(opt)
-            scaler.update()
-        return scaler.get_scale(), [p.detach().clone() for p in params]
-
-    _assert_matches_torch(run, backend, init_scale=4.0, growth_interval=1)
-
-
-@pytest.mark.parametrize("n_layouts", [2, 5])  # 5: more than the plans kept per optimizer
-def test_grads_cycling_through_memory_layouts(backend, n_layouts, monkeypatch):
-    """Grads whose memory cycles through a few address layouts (an allocator handing back
-    the blocks of an earlier step) reuse those layouts' launch plans, and more layouts than
-    are kept replan: inf / NaN / -inf planted at the first and last element of the first and
-    last grad skip exactly torch's steps, and the parameters equal torch's."""
-    sizes = (7, 300, 1, 0, 33)
-
-    def run(scaler):
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
-        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-        pools = [[torch.empty(n) for n in sizes] for _ in range(n_layouts)]
-        planted = {n_layouts + 1: (-1, -1, float("inf")), 2 * n_layouts: (0, 0, float("nan")),
-                   2 * n_layouts + 1: (0, -1, -float("inf")), 3 * n_layouts: (-1, 0, float("nan"))}
-        scales = []
-        for step in range(3 * n_layouts + 2):
-            for p, memory in zip(params, pools[step % n_layouts]):
-                p.grad = memory.zero_()  # backward accumulates into this layout's memory
-            loss = sum((p * (i + 1)).square().sum() for i, p in enumerate(params))
-            scaler.scale(loss).backward()
-            if step in planted:
-                which, at, value = planted[step]
-                params[which].grad[at] = value
-            scaler.step(opt)
-            scaler.update()
-            scales.append(scaler.get_scale())
-        return scales, [p.detach().clone() for p in params]
-
-    built = Counter()
-
-    def counted(*args, build=kernels.plan_unscale):
-        built["plans"] += 1
-        return build(*args)
-
-    monkeypatch.setattr(kernels, "plan_unscale", counted)  # torch's scaler plans nothing
-    _assert_matches_torch(run, backend, init_scale=2.0**8, growth_interval=2)
-    if backend == "triton":  # each layout planned once while they fit, every step otherwise
-        assert built["plans"] == (n_layouts if n_layouts <= 4 else 3 * n_layouts + 2)
-
-
-def test_parameter_resized_in_place_then_a_new_parameter_list(backend):
-    """The remedy the README gives for the one change the address check cannot see: a
-    parameter resized in place (``param.data = ...``) whose new grad starts at its old grad's
-    address, then ``group["params"] = list(group["params"])``: re-planned, equal to torch,
-    with an inf planted in the last element of the grown grad."""
-    def run(scaler):
-        torch.manual_seed(0)
-        memory = [torch.zeros(7), torch.zeros(400), torch.zeros(33)]
-        params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 300, 33)]
-        opt = torch.optim.SGD(params, lr=0.1)
-        for step in range(5):
-            if step == 2:
-                params[1].grad = None
-                params[1].data = torch.randn(350)  # its grad now starts where it did
-                group = opt.param_groups[0]
-                group["params"] = list(group["params"])
-            for p, m in zip(params, memory):
-                p.grad = m[: p.numel()].zero_()
-            scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(params))).backward()
-            if step == 3:
-                params[1].grad[-1] = float("inf")
-            scaler.step(opt)
-            scaler.update()
-        return scaler.get_scale(), [p.detach().clone() for p in params]
-
-    _assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
