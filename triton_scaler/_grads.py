@@ -156,11 +156,13 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
     per-grad path) when a grad is None, sparse, not a plain tensor, or not of its parameter's
     dtype and device as the layout knows them.
 
-    Grads at the addresses of the last step reuse its launch plans: one pass reading the
-    grads and one reading their addresses. Same parameter objects, same memory: torch keeps
-    a grad's dtype, size and device its parameter's; a parameter converted in place
+    Grads at the addresses of the last step (or of one of the last ``_PLAN_CACHE_SIZE``
+    address layouts) reuse that layout's launch plans: one pass reading the grads and one
+    reading their addresses. Same parameter objects, same memory: torch keeps a grad's
+    dtype, size and device its parameter's; a parameter converted in place
     (``param.data = ...``, ``module.half()``) is caught through each group's launch base (its
-    first non-empty grad)."""
+    first non-empty grad). Not caught: a parameter *resized* in place whose new grad starts at
+    its old grad's address (README; a new ``group["params"]`` list re-plans)."""
     grads = list(map(_GRAD, layout.outside))
     try:
         addresses = tuple(map(_DATA_PTR, grads))
