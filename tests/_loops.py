@@ -1,6 +1,7 @@
 """A small mixed-precision training loop, run under any scaler, for parity tests."""
 
 import torch
+from _util import assert_same
 
 
 def make_model(seed=0):
@@ -51,10 +52,22 @@ def train(scaler, optimizer_name="adamw", *, steps=25, clip=False, two_optimizer
 
 
 def assert_same_optimizer_state(a, b):
-    for pa, pb in zip(a.state.values(), b.state.values()):
+    """Parameter by parameter: state on both sides or on neither, the same keys, and every
+    value the same (tensors bit for bit)."""
+    params_a = [p for g in a.param_groups for p in g["params"]]
+    params_b = [p for g in b.param_groups for p in g["params"]]
+    assert len(params_a) == len(params_b)
+    for i, (param_a, param_b) in enumerate(zip(params_a, params_b)):
+        pa, pb = a.state.get(param_a), b.state.get(param_b)
+        assert (pa is None) == (pb is None), f"optimizer state of parameter {i}: {pa} / {pb}"
+        if pa is None:
+            continue
         assert pa.keys() == pb.keys()
         for key in pa:
-            if isinstance(pa[key], torch.Tensor):
-                assert torch.equal(pa[key], pb[key]), key
+            if isinstance(pa[key], torch.Tensor):  # bit for bit, any NaN equal to any NaN
+                try:
+                    assert_same(pa[key], pb[key])
+                except AssertionError as error:
+                    raise AssertionError(f"{key}: {error}") from error
             else:
                 assert pa[key] == pb[key], key

@@ -73,8 +73,13 @@ class _Layout:
         self.buckets = list(buckets_of(optimizer))
         self.bucket_groups = [GradGroup(b.device, [b.buffer], (b.buffer.numel(),))
                               for b in self.buckets]  # the buffers live as long as the buckets
-        in_buckets = frozenset().union(*(b.param_ids for b in self.buckets))
         self.params = list(_live_params(optimizer))
+        live = frozenset(map(id, self.params))
+        # a bucket holding a parameter the optimizer no longer has (replaced by a new list)
+        # launches nothing: that grad must not count; its parameters go per tensor
+        self.bucket_live = [b.param_ids <= live for b in self.buckets]
+        in_buckets = frozenset().union(*(b.param_ids for b, ok in zip(self.buckets,
+                                                                      self.bucket_live) if ok))
         self.outside = [p for p in self.params if id(p) not in in_buckets]
         by_key: dict[tuple, list[int]] = defaultdict(list)
         for i, p in enumerate(self.outside):
@@ -130,11 +135,15 @@ def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str
     fp16 = torch.float16
     flat: list[GradGroup] = []
     helds = []
-    for bucket, group in zip(layout.buckets, layout.bucket_groups):
-        if bucket.dtype == fp16 and not allow_fp16:
-            raise ValueError("Attempting to unscale FP16 gradients.")
-        helds.append((bucket.attach_grads(), bucket.param_ids))
-        flat.append(group)
+    for bucket, group, live in zip(layout.buckets, layout.bucket_groups, layout.bucket_live):
+        held = bucket.attach_grads()  # also gives grad None where no gradient came
+        if not live:
+            held = frozenset()
+        helds.append((held, bucket.param_ids))
+        if held:  # no grad in the bucket: no launch and no found_inf entry, as in torch
+            if bucket.dtype == fp16 and not allow_fp16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            flat.append(group)
     if any(held is not ids for held, ids in helds):  # some grads are outside their bucket
         covered = frozenset().union(*(held for held, _ in helds))
         outside = [p for p in _live_params(optimizer) if id(p) not in covered]

@@ -98,18 +98,22 @@ class GradBucket:
         parameters that received no gradient since :meth:`GradBuckets.zero_` ``grad = None``.
 
         Returns the ids of the parameters whose grads this bucket's buffer now holds (the
-        object :attr:`param_ids` itself when it holds all). A grad replaced by
+        object :attr:`param_ids` itself when it holds all; none of a parameter whose grad
+        is None, so an optimizer none of whose parameters has a grad raises in ``step`` as
+        in torch). A grad replaced by
         ``zero_grad(set_to_none=True)`` is copied back into its view (``on_detach=
         "reattach"``) or left to the per-tensor path (``"warn"``); both warn once.
         """
         received = self.received
         if len(received) == len(self.params) and self.all_views_in_place():
             return self.param_ids  # the O(1) path: nothing to do
-        detached, quiet, unset = [], [], []
+        detached, quiet, unset, held = [], [], [], []
         for i, p in enumerate(self.params):
             grad = p.grad
             if grad is not None and self._is_view(i, grad):
-                if i not in received:  # no gradient this iteration: as torch, grad None
+                if i in received:
+                    held.append(i)
+                else:  # no gradient this iteration: as torch, grad None
                     p.grad = None
                     self._unset_by_us.add(i)
             elif grad is None:  # set to None outside: the view must not keep stale values
@@ -125,27 +129,26 @@ class GradBucket:
                     "or build DDP with gradient_as_bucket_view=False")
             else:  # not a view any more (zero_grad(set_to_none=True), or assigned)
                 detached.append(i)
-        held = self.param_ids.difference(id(self.params[i]) for i in unset) \
-            if len(received) == len(self.params) \
-            else frozenset(id(self.params[i]) for i in received)
         if unset:
             self._zero_views_of(unset)
+        outside: set[int] = set()
         if quiet:  # grads we set to None and autograd re-created: back in, no warning
             self._unset_by_us.difference_update(quiet)
-            self._reattach(quiet)
-        if not detached:
-            return held
-        if not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"{len(detached)} gradient(s) are no longer views into their GradBucket (was "
-                "optimizer.zero_grad() called with set_to_none=True?). "
-                + ("They are copied back into the bucket each step, which costs a copy; "
-                   if self._on_detach == "reattach" else
-                   "They take the per-tensor path, off the one-launch fast path; ")
-                + "call buckets.zero_() or optimizer.zero_grad(set_to_none=False) instead.",
-                stacklevel=5)
-        return held - self._reattach(detached, self._on_detach == "reattach")
+            outside |= self._reattach(quiet)
+        if detached:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"{len(detached)} gradient(s) are no longer views into their GradBucket "
+                    "(was optimizer.zero_grad() called with set_to_none=True?). "
+                    + ("They are copied back into the bucket each step, which costs a copy; "
+                       if self._on_detach == "reattach" else
+                       "They take the per-tensor path, off the one-launch fast path; ")
+                    + "call buckets.zero_() or optimizer.zero_grad(set_to_none=False) instead.",
+                    stacklevel=5)
+            outside |= self._reattach(detached, self._on_detach == "reattach")
+        ids = frozenset(id(self.params[i]) for i in held + quiet + detached) - outside
+        return self.param_ids if len(ids) == len(self.params) else ids
 
     def _zero_views_of(self, indices: list[int]) -> None:
         """Zero the views of parameters whose grad is None, once until they are written."""
@@ -246,6 +249,8 @@ class GradBuckets:
             for p in bucket.params:
                 _bucketed[p] = True
         self._optimizer = optimizer
+        # (the optimizer's param lists, as ids and lengths; its parameters no bucket holds)
+        self._outside: tuple[tuple, list[torch.Tensor]] | None = None
         if optimizer is not None:
             setattr(optimizer, _REGISTRY_ATTR, getattr(optimizer, _REGISTRY_ATTR, []) + self.buckets)
 
@@ -264,7 +269,11 @@ class GradBuckets:
         """Zero every bucket (one fill each) and re-point every grad at its view: the
         equivalent of torch's default ``optimizer.zero_grad()``. Parameters that then receive
         no gradient before the step get ``grad = None`` and are skipped by the optimizer,
-        exactly as in torch's default loop."""
+        exactly as in torch's default loop. The optimizer's parameters outside the buckets
+        (frozen when they were built, added since) get ``grad = None`` now, as there."""
+        # a parameter that received no gradient may have left the optimizer (replaced in
+        # place in its group): look for parameters outside the buckets again
+        recheck = any(len(b.received) < len(b.params) for b in self.buckets)
         for bucket in self.buckets:
             if not bucket.all_views_in_place():  # O(1) check; the loop only when needed
                 bucket._repoint()
@@ -272,6 +281,22 @@ class GradBuckets:
             bucket._unset_by_us.clear()
             bucket._zeroed.clear()
             bucket.buffer.zero_()
+        if self._optimizer is not None:
+            for p in self._params_outside(recheck):  # as torch's zero_grad() leaves them
+                p.grad = None
+
+    def _params_outside(self, recheck: bool) -> list[torch.Tensor]:
+        """The optimizer's parameters that no bucket holds (frozen when the buckets were
+        built, or added since: a new group or list, a parameter replaced in place); found
+        again when the optimizer's parameter lists change (ids and lengths) or on
+        ``recheck``."""
+        groups = self._optimizer.param_groups
+        signature = tuple((id(g["params"]), len(g["params"])) for g in groups)
+        if recheck or self._outside is None or self._outside[0] != signature:
+            inside = frozenset().union(*(b.param_ids for b in self.buckets))
+            self._outside = (signature, [p for g in groups for p in g["params"]
+                                         if id(p) not in inside])
+        return self._outside[1]
 
     def __len__(self) -> int:
         return len(self.buckets)
@@ -283,3 +308,12 @@ class GradBuckets:
 def buckets_of(optimizer: torch.optim.Optimizer) -> list[GradBucket]:
     """The buckets registered on ``optimizer`` (empty when it has none)."""
     return getattr(optimizer, _REGISTRY_ATTR, [])
+
+
+def attach_bucket_grads(optimizer: torch.optim.Optimizer) -> None:
+    """:meth:`GradBucket.attach_grads` for every bucket of ``optimizer``: before a step whose
+    grads ``unscale_`` already covered, so that a parameter that received no gradient since
+    (``buckets.zero_()`` in between) has ``grad = None``, as in torch. O(1) per bucket when
+    every grad is its view and received a gradient."""
+    for bucket in buckets_of(optimizer):
+        bucket.attach_grads()

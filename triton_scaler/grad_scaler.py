@@ -20,6 +20,7 @@ from ._clip import ClipMixin
 from ._distributed import agree_over_meshes
 from ._grads import PerDevice, grad_groups
 from ._state import ScalerStateMixin
+from .buckets import attach_bucket_grads
 from .policy import ScalePolicy, check_scale_value
 
 
@@ -248,6 +249,8 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is OptState.UNSCALED:
+            attach_bucket_grads(optimizer)
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._fused_step(optimizer, state, *args, **kwargs)
         if state["stage"] is OptState.READY:
@@ -270,15 +273,22 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
             return retval
         if state["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
+        elif not state["found_inf_per_device"] and any(
+                p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+            # unscale_() saw no grads, backward made some since: torch hands the optimizer
+            # found_inf=0 (an int) and no grad_scale, and torch's fused optimizers fail
+            # ("'int' object has no attribute 'device'"); the plain route's error instead
+            raise AssertionError("No inf checks were recorded for this optimizer.")
         scale = self._get_scale_async()
         own = getattr(optimizer, "grad_scale", None)
         if state["stage"] is OptState.UNSCALED:
             optimizer.grad_scale = own
         else:  # the scale itself when the optimizer has none of its own (torch: scale * 1)
             optimizer.grad_scale = scale if own is None else scale * own
-        found_inf = self._agree_found_inf(state)
-        optimizer.found_inf = (found_inf if self._policy.skip_on_overflow
-                               else torch.zeros_like(found_inf))
+        if state["found_inf_per_device"] and self._policy.skip_on_overflow:
+            optimizer.found_inf = self._agree_found_inf(state)
+        else:  # no grads (torch hands the optimizer 0), or steps are never skipped
+            optimizer.found_inf = torch.zeros((), device=scale.device)
         retval = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         del optimizer.grad_scale

@@ -1,0 +1,183 @@
+"""GradBuckets and the fused route where grads come and go: parameters outside the buckets,
+grads set to None, parameters replaced, steps without grads. Each case runs the same loop
+under torch's scaler without buckets and under ours, and compares what each call returned or
+raised, every parameter and the optimizer state. (Found by tests/test_random_sequences.py.)
+"""
+
+import math
+
+import pytest
+import torch
+from _loops import assert_same_optimizer_state
+from _util import assert_same
+
+from triton_scaler import GradBuckets, GradScaler
+
+
+def _run_both(backend, build, loop):
+    """``build(ours: bool)`` -> (params, optimizer, zero_grad); ``loop(params, opt, scaler,
+    zero_grad)`` returns a list of outcomes. Asserts that both sides agree."""
+    sides = []
+    for ours in (True, False):
+        torch.manual_seed(0)
+        params, opt, zero_grad = build(ours)
+        scaler = (GradScaler("cpu", init_scale=8.0, growth_interval=2, backend=backend) if ours
+                  else torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2))
+        sides.append((loop(params, opt, scaler, zero_grad), params, opt))
+    (outcomes, params, opt), (expected, params_t, opt_t) = sides
+    assert outcomes == expected
+    for p, q in zip(params, params_t):
+        assert_same(p.detach(), q.detach())
+    assert_same_optimizer_state(opt, opt_t)
+    return expected
+
+
+def _outcome(call):
+    try:
+        call()
+        return "ok"
+    except (AssertionError, RuntimeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def _bucketed(make_params, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)):
+    def build(ours):
+        params = make_params()
+        opt = optimizer([p for p in params if p.requires_grad])
+        if not ours:
+            return params, opt, opt.zero_grad
+        return params, opt, GradBuckets(opt).zero_
+    return build
+
+
+def test_zero_sets_none_the_grads_of_parameters_outside_the_buckets(backend):
+    """Frozen when the buckets were built and unfrozen later, or added in a new group: the
+    buckets do not hold them, and zero_() must still clear them as torch's zero_grad()."""
+    def build(ours):
+        params = [torch.nn.Parameter(torch.randn(5)),
+                  torch.nn.Parameter(torch.randn(3), requires_grad=False)]
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        zero_grad = GradBuckets(opt).zero_ if ours else opt.zero_grad
+        params[1].requires_grad_(True)  # frozen when the buckets were built
+        params.append(torch.nn.Parameter(torch.randn(4)))
+        opt.add_param_group({"params": [params[2]]})
+        return params, opt, zero_grad
+
+    def loop(params, opt, scaler, zero_grad):
+        for step in range(4):
+            loss = sum((p * (i + 1.0)).sum() for i, p in enumerate(params))
+            scaler.scale(loss * (math.inf if step == 1 else 1.0)).backward()
+            scaler.step(opt)
+            scaler.update()
+            zero_grad()
+        return [scaler.get_scale(), [p.grad for p in params[1:]]]  # those outside
+
+    assert _run_both(backend, build, loop)[1] == [None, None]
+
+
+def test_unscale_then_zero_then_step_leaves_parameters_without_grads_alone(backend):
+    build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(6)),
+                               torch.nn.Parameter(torch.randn(2, 3))])
+
+    def loop(params, opt, scaler, zero_grad):
+        outcomes = []
+        for _ in range(2):  # the second step: momentum would move every parameter
+            scaler.scale(sum(p.sum() for p in params)).backward()
+            scaler.unscale_(opt)
+            if outcomes:
+                zero_grad()  # after unscale_: torch's optimizer sees grad None, skips all
+            outcomes.append(_outcome(lambda: scaler.step(opt)))
+            scaler.update()
+        return outcomes
+
+    assert _run_both(backend, build, loop) == ["ok", "ok"]
+
+
+@pytest.mark.parametrize("zero", ["set_to_none", "buckets"])
+def test_a_step_without_grads_raises_as_torch(backend, zero):
+    build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(4)),
+                               torch.nn.Parameter(torch.randn(3, dtype=torch.float16))])
+
+    def loop(params, opt, scaler, zero_grad):
+        scaler.scale(params[0].sum() + params[1].float().sum()).backward()
+        (opt.zero_grad if zero == "set_to_none" else zero_grad)()
+        step = _outcome(lambda: scaler.step(opt))  # no grads: not even the fp16 error
+        return [step, _outcome(scaler.update)]
+
+    assert _run_both(backend, build, loop) == [
+        "AssertionError: No inf checks were recorded for this optimizer.",
+        "AssertionError: No inf checks were recorded prior to update."]
+
+
+def test_a_parameter_replaced_by_a_new_list_leaves_its_old_grad_out(backend):
+    """The replaced parameter's grad (still a view of the bucket) holds an inf: the
+    optimizer no longer holds it, so it must not skip the step."""
+    build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(5)),
+                               torch.nn.Parameter(torch.randn(3))])
+
+    def loop(params, opt, scaler, zero_grad):
+        scaler.scale(params[0].sum() + params[1].sum() * math.inf).backward()
+        new = torch.nn.Parameter(torch.randn(3))
+        opt.param_groups[0]["params"] = [params[0], new]  # before the step
+        params[1] = new
+        scaler.scale(params[0].sum() + new.sum()).backward()
+        step = _outcome(lambda: scaler.step(opt))
+        scaler.update()
+        return [step, scaler.get_scale(), scaler._get_growth_tracker()]
+
+    assert _run_both(backend, build, loop) == ["ok", 8.0, 1]  # not skipped
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_fused_step_without_grads_steps_over_nothing_as_torch(backend, unscale_first):
+    def build(ours):
+        params = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(2))]
+        opt = torch.optim.AdamW(params[1:], lr=0.1, fused=True)  # params[1] gets no grad
+        return params, opt, opt.zero_grad
+
+    def loop(params, opt, scaler, zero_grad):
+        scaler.scale(params[0].sum()).backward()
+        if unscale_first:
+            scaler.unscale_(opt)
+        return [_outcome(lambda: scaler.step(opt)), _outcome(scaler.update)]
+
+    assert _run_both(backend, build, loop) == [
+        "ok", "AssertionError: No inf checks were recorded prior to update."]
+
+
+def test_fused_step_after_an_unscale_that_saw_no_grads_raises(backend):
+    """unscale_() found no grads, backward made some since: torch's fused step fails inside
+    the optimizer (found_inf is the int 0); ours raises the plain route's error instead of
+    stepping with scaled grads."""
+    param = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.AdamW([param], lr=0.1, fused=True)
+    scaler = GradScaler("cpu", backend=backend)
+    scaler.scale(torch.ones(()))  # initialises the scale
+    scaler.unscale_(opt)
+    scaler.scale(param.sum()).backward()
+    before = param.detach().clone()
+    with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
+        scaler.step(opt)
+    assert torch.equal(param.detach(), before) and not opt.state
+
+
+def test_a_parameter_replaced_in_place_is_seen_from_the_next_zero(backend):
+    """``group["params"][i] = new`` keeps the list: the buckets see the replacement at the
+    next buckets.zero_() (the old parameter received no gradient), as the README says."""
+    build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(5)),
+                               torch.nn.Parameter(torch.randn(3))])
+
+    def loop(params, opt, scaler, zero_grad):
+        outcomes = []
+        for step in range(4):
+            if step == 1:
+                params[1] = opt.param_groups[0]["params"][1] = torch.nn.Parameter(
+                    torch.randn(3))
+            inf = math.inf if step == 2 else 1.0
+            scaler.scale(params[0].sum() + params[1].sum() * inf).backward()
+            outcomes.append(_outcome(lambda: scaler.step(opt)))
+            scaler.update()
+            zero_grad()
+        return outcomes + [scaler.get_scale(), params[1].grad]
+
+    assert _run_both(backend, build, loop) == ["ok"] * 4 + [8.0, None]
