@@ -5,10 +5,17 @@ several kinds, the scaler's arguments, GradBuckets or not) and a sequence of cal
 scaler's whole contract, the calls torch refuses included. Both sides get the same calls; after
 every call they must agree exactly: the error raised (type and message), the value returned,
 the scale, the growth tracker, every parameter, every grad and the optimizer state.
+
+Two pairs of sides: triton_scaler (each backend) against torch.amp.GradScaler with torch's
+settings; and, with triton_scaler's own settings drawn too (hysteresis, min / max scale,
+raise at the minimum, static scaling, no skipping), the Triton kernels against the
+reference path, which is their oracle.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import random
 
 import pytest
@@ -32,11 +39,22 @@ OPTIMIZERS = {
 NON_FINITE = (float("inf"), float("-inf"), float("nan"))
 
 
+def _draw_extensions(rng: random.Random, init_scale: float) -> dict:
+    """triton_scaler's own settings (no torch oracle: the reference path is the Triton
+    kernels' oracle)."""
+    min_scale = rng.choice([0.0, 1.0, 2.0**-3])
+    return {"hysteresis": rng.choice([1, 2, 3]), "consecutive_hysteresis": rng.random() < 0.5,
+            "min_scale": min_scale,
+            "max_scale": rng.choice([math.inf, init_scale * 4, init_scale * 2.0**10]),
+            "raise_at_min_scale": min_scale > 0 and rng.random() < 0.5,
+            "dynamic": rng.random() < 0.8, "skip_on_overflow": rng.random() < 0.8}
+
+
 def _draw_setup(rng: random.Random) -> dict:
     params = []
     for _ in range(rng.randint(1, 7)):
         shape = rng.choice([(rng.randint(0, 70),), (rng.randint(1, 9), rng.randint(1, 9))])
-        dtype = rng.choices([torch.float32, torch.bfloat16, torch.float16], [8, 1, 1])[0]
+        dtype = rng.choices([torch.float32, torch.bfloat16, torch.float16], [14, 2, 1])[0]
         params.append((shape, dtype, len(shape) == 2 and rng.random() < 0.5))
     cut = rng.randint(1, len(params) - 1) if len(params) > 1 and rng.random() < 0.4 else None
     slices = [(0, len(params))] if cut is None else [(0, cut), (cut, len(params))]
@@ -60,7 +78,8 @@ def _new_param(spec: tuple, gen: torch.Generator) -> torch.nn.Parameter:
 class _Side:
     """One side of the comparison: parameters, optimizers and a scaler built from a setup."""
 
-    def __init__(self, setup: dict, seed: int, backend: str | None) -> None:
+    def __init__(self, setup: dict, seed: int, backend: str | None,
+                 buckets: bool = True) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.params = [_new_param(spec, gen) for spec in setup["params"]]
         self.optimizers = [OPTIMIZERS[kind](self.params[a:b])
@@ -68,7 +87,7 @@ class _Side:
         self.ours, self.backend, self.settings = backend is not None, backend, setup["scaler"]
         self.scaler = self.new_scaler()
         self.buckets = ([triton_scaler.GradBuckets(opt) for opt in self.optimizers]
-                        if self.ours and setup["buckets"] else None)
+                        if self.ours and buckets and setup["buckets"] else None)
 
     def new_scaler(self) -> torch.amp.GradScaler:
         if self.ours:
@@ -245,13 +264,32 @@ def _assert_same_sides(ours: _Side, theirs: _Side, where: str) -> None:
             assert_same(p.grad, q.grad)
     for a, b in zip(ours.optimizers, theirs.optimizers):
         assert_same_optimizer_state(a, b)
+    if theirs.ours:  # two backends of ours: their own records too
+        assert ours.scaler.state_dict() == theirs.scaler.state_dict(), where
+        assert torch.equal(ours.scaler.last_step_skipped, theirs.scaler.last_step_skipped)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_call_sequence_matches_torch(backend, seed):
     rng = random.Random(seed)
     setup = _draw_setup(rng)
-    ours, theirs = _Side(setup, seed, backend), _Side(setup, seed, None)
+    _run(rng, setup, seed, _Side(setup, seed, backend), _Side(setup, seed, None))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_call_sequence_with_extensions_triton_matches_reference(seed):
+    """Hysteresis, min / max scale, raise at the minimum, static scaling, no skipping: the
+    Triton kernels (with GradBuckets when drawn) against the reference path (without)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    rng = random.Random(seed)
+    setup = _draw_setup(rng)
+    setup["scaler"].update(_draw_extensions(rng, setup["scaler"]["init_scale"]))
+    _run(rng, setup, seed, _Side(setup, seed, "triton"),
+         _Side(setup, seed, "reference", buckets=False))
+
+
+def _run(rng: random.Random, setup: dict, seed: int, ours: _Side, theirs: _Side) -> None:
     gen = torch.Generator().manual_seed(seed)
     for n in range(CALLS):
         call, args = _draw_call(rng, setup, gen)
