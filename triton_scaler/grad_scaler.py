@@ -5,9 +5,7 @@ Megatron-core, DeepSpeed, apex and MindSpore scalers."""
 from __future__ import annotations
 
 import functools
-import inspect
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -20,6 +18,7 @@ from ._clip import ClipMixin
 from ._distributed import agree_over_meshes
 from ._grads import PerDevice, grad_groups
 from ._state import ScalerStateMixin
+from ._step import StepMixin
 from .buckets import attach_bucket_grads
 from .policy import ScalePolicy, check_scale_value
 
@@ -44,7 +43,7 @@ class MinScaleReachedError(RuntimeError):
     ``raise_at_min_scale=True`` (DeepSpeed's ``raise_error_at_min_scale``)."""
 
 
-class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
+class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
     """Drop-in replacement for :class:`torch.amp.GradScaler`.
 
     The positional arguments and defaults are torch's; with them the scale trajectory, growth
@@ -178,63 +177,6 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
         state.pop("found_inf_agreed", None)
         return state["found_inf_per_device"]
 
-    def _agree_found_inf(self, state: dict[str, Any], *, start_host_copy: bool = False):
-        """0-d float32 found_inf on the scale's device, exactly 0.0 or 1.0: the max over
-        devices, all-reduced (MAX) over ``process_group``. Cached in the optimizer state."""
-        agreed = state.get("found_inf_agreed")
-        if agreed is not None:
-            return agreed
-        device = self._scale.device
-        values = [t if t.device == device else t.to(device, non_blocking=True)
-                  for t in state["found_inf_per_device"].values()]
-        if not values:
-            raise AssertionError("No inf checks were recorded for this optimizer.")
-        # One device: the per-device flag itself (a MAX all-reduce in place leaves it 0 / 1).
-        agreed = values[0] if len(values) == 1 else torch.stack(values).amax()
-        if self._process_group is not None:
-            import torch.distributed as dist
-
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._process_group)
-            state["found_inf_per_device"] = {agreed.device: agreed}
-        state["found_inf_agreed"] = agreed
-        if start_host_copy and agreed.is_cuda and not torch.cuda.is_current_stream_capturing():
-            # Start the device-to-host copy of (scale, found_inf) now, so step()'s one read
-            # overlaps Python work; the scale rides along for the underflow warning. Not
-            # under CUDA-graph capture: a replay would write into a freed pinned buffer.
-            span, index = self._host_read_span(state, agreed)
-            host = torch.empty(span.numel(), dtype=torch.float32, pin_memory=True)
-            host.copy_(span, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            state["found_inf_host"] = (host, event, index)
-        return agreed
-
-    def _host_read_span(self, state: dict[str, Any],
-                        agreed: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """A device tensor holding the scale at 0 and ``agreed`` at the returned index: a
-        prefix of the [scale, flags...] buffer when ``agreed`` is one of its flags (no op),
-        else a stack of the two."""
-        index = self._buffer_index(state, agreed)
-        if index:
-            return self._scale_and_flags[:index + 1], index
-        return torch.stack([self._scale.to(agreed.device), agreed]), 1
-
-    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
-        if not self._policy.skip_on_overflow:
-            return optimizer.step(*args, **kwargs)
-        agreed = self._agree_found_inf(optimizer_state)
-        host = optimizer_state.get("found_inf_host")
-        if host is not None:
-            host[1].synchronize()
-            values, index = host[0], host[2]
-        else:
-            values, index = self._host_read_span(optimizer_state, agreed)
-        values = values.tolist()  # the one host sync of the plain route, as torch
-        if not values[index]:
-            return optimizer.step(*args, **kwargs)
-        self._warn_if_underflowed(values[0])
-        return None
-
     @_eager_under_compile
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
         """Unscale (unless :meth:`unscale_` ran) and call ``optimizer.step()`` unless a grad is
@@ -259,40 +201,6 @@ class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
             raise AssertionError("No inf checks were recorded for this optimizer.")
         retval = self._maybe_opt_step(optimizer, state, *args, **kwargs)
         state["stage"] = OptState.STEPPED
-        return retval
-
-    def _fused_step(self, optimizer, state, *args, **kwargs):
-        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            warnings.warn(
-                "GradScaler is going to stop passing itself as a keyword argument to the passed "
-                "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
-                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them "
-                "directly.", FutureWarning, stacklevel=3)
-            retval = optimizer.step(*args, **kwargs, grad_scaler=self)
-            state["stage"] = OptState.STEPPED
-            return retval
-        if state["stage"] is OptState.READY:
-            self._check_inf_per_device(optimizer)
-        elif not state["found_inf_per_device"] and any(
-                p.grad is not None for g in optimizer.param_groups for p in g["params"]):
-            # unscale_() saw no grads, backward made some since: torch hands the optimizer
-            # found_inf=0 (an int) and no grad_scale, and torch's fused optimizers fail
-            # ("'int' object has no attribute 'device'"); the plain route's error instead
-            raise AssertionError("No inf checks were recorded for this optimizer.")
-        scale = self._get_scale_async()
-        own = getattr(optimizer, "grad_scale", None)
-        if state["stage"] is OptState.UNSCALED:
-            optimizer.grad_scale = own
-        else:  # the scale itself when the optimizer has none of its own (torch: scale * 1)
-            optimizer.grad_scale = scale if own is None else scale * own
-        if state["found_inf_per_device"] and self._policy.skip_on_overflow:
-            optimizer.found_inf = self._agree_found_inf(state)
-        else:  # no grads (torch hands the optimizer 0), or steps are never skipped
-            optimizer.found_inf = torch.zeros((), device=scale.device)
-        retval = optimizer.step(*args, **kwargs)
-        state["stage"] = OptState.STEPPED
-        del optimizer.grad_scale
-        del optimizer.found_inf
         return retval
 
     @_eager_under_compile
