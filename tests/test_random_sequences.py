@@ -50,11 +50,12 @@ def _draw_extensions(rng: random.Random, init_scale: float) -> dict:
             "dynamic": rng.random() < 0.8, "skip_on_overflow": rng.random() < 0.8}
 
 
-def _draw_setup(rng: random.Random) -> dict:
+def _draw_setup(rng: random.Random, bf16: bool = True) -> dict:
+    """``bf16=False``: no bfloat16 parameters (torch's CUDA op has no bf16 kernel)."""
     params = []
     for _ in range(rng.randint(1, 7)):
         shape = rng.choice([(rng.randint(0, 70),), (rng.randint(1, 9), rng.randint(1, 9))])
-        dtype = rng.choices([torch.float32, torch.bfloat16, torch.float16], [14, 2, 1])[0]
+        dtype = rng.choices([torch.float32, torch.bfloat16, torch.float16], [14, 2 * bf16, 1])[0]
         params.append((shape, dtype, len(shape) == 2 and rng.random() < 0.5))
     cut = rng.randint(1, len(params) - 1) if len(params) > 1 and rng.random() < 0.4 else None
     slices = [(0, len(params))] if cut is None else [(0, cut), (cut, len(params))]
@@ -69,9 +70,9 @@ def _draw_setup(rng: random.Random) -> dict:
     }
 
 
-def _new_param(spec: tuple, gen: torch.Generator) -> torch.nn.Parameter:
+def _new_param(spec: tuple, gen: torch.Generator, device: str) -> torch.nn.Parameter:
     shape, dtype, transposed = spec
-    data = torch.randn(shape, generator=gen).to(dtype)
+    data = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
     return torch.nn.Parameter(data.t() if transposed else data)
 
 
@@ -79,9 +80,10 @@ class _Side:
     """One side of the comparison: parameters, optimizers and a scaler built from a setup."""
 
     def __init__(self, setup: dict, seed: int, backend: str | None,
-                 buckets: bool = True) -> None:
+                 buckets: bool = True, device: str = "cpu") -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.params = [_new_param(spec, gen) for spec in setup["params"]]
+        self.device = device
+        self.params = [_new_param(spec, gen, device) for spec in setup["params"]]
         self.optimizers = [OPTIMIZERS[kind](self.params[a:b])
                            for kind, (a, b) in setup["optimizers"]]
         self.ours, self.backend, self.settings = backend is not None, backend, setup["scaler"]
@@ -91,14 +93,14 @@ class _Side:
 
     def new_scaler(self) -> torch.amp.GradScaler:
         if self.ours:
-            return triton_scaler.GradScaler("cpu", **self.settings, backend=self.backend)
-        return torch.amp.GradScaler("cpu", **self.settings)
+            return triton_scaler.GradScaler(self.device, **self.settings, backend=self.backend)
+        return torch.amp.GradScaler(self.device, **self.settings)
 
 
 # ---- the calls: each takes (side, *arguments drawn once for both sides)
 
 def _backward(side, weights, as_list):
-    loss = sum((side.params[i].float() * w).sum() for i, w in weights)
+    loss = sum((side.params[i].float() * w.to(side.device)).sum() for i, w in weights)
     scaled = side.scaler.scale([loss] if as_list else loss)
     (scaled[0] if as_list else scaled).backward()
     return scaled[0] if as_list else scaled
@@ -119,7 +121,8 @@ def _step(side, k, closure):
 
 
 def _update(side, new_scale):
-    side.scaler.update(new_scale.clone() if isinstance(new_scale, torch.Tensor) else new_scale)
+    side.scaler.update(new_scale.to(side.device, copy=True)
+                       if isinstance(new_scale, torch.Tensor) else new_scale)
 
 
 def _zero_grad(side, k, set_to_none):
@@ -147,14 +150,15 @@ def _set_factor(side, name, value):
 
 
 def _add_param_group(side, k, spec, data_seed):
-    side.params.append(_new_param(spec, torch.Generator().manual_seed(data_seed)))
+    side.params.append(_new_param(spec, torch.Generator().manual_seed(data_seed), side.device))
     side.optimizers[k].add_param_group({"params": [side.params[-1]]})
 
 
 def _replace_param(side, i, spec, data_seed, in_place):
     """A new parameter object in place of parameter ``i``, in the optimizer's group: in the
     group's list itself, or in a new list (README: GradBuckets needs the latter)."""
-    old, new = side.params[i], _new_param(spec, torch.Generator().manual_seed(data_seed))
+    old = side.params[i]
+    new = _new_param(spec, torch.Generator().manual_seed(data_seed), side.device)
     side.params[i] = new
     for group in (g for opt in side.optimizers for g in opt.param_groups):
         params = group["params"] if in_place else list(group["params"])
@@ -201,8 +205,9 @@ def _draw_call(rng: random.Random, setup: dict, gen: torch.Generator):
     if kind == "step":
         return _step, (k, rng.random() < 0.03)
     if kind == "update":
-        new_scale = rng.choices([None, 2.0**rng.randint(-3, 20), torch.tensor([512.0]),
-                                 torch.tensor([4.0], dtype=torch.float64)], [12, 2, 1, 1])[0]
+        new_scale = rng.choices([None, 2.0**rng.randint(-3, 20), torch.tensor(256.0),
+                                 torch.tensor([512.0]), torch.tensor([4.0], dtype=torch.float64)],
+                                [12, 2, 1, 1, 1])[0]
         return _update, (new_scale,)
     if kind == "zero_grad":
         return _zero_grad, (k, rng.choice(["buckets", "zeros", "none"]))
@@ -276,17 +281,31 @@ def test_random_call_sequence_matches_torch(backend, seed):
     _run(rng, setup, seed, _Side(setup, seed, backend), _Side(setup, seed, None))
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_random_call_sequence_with_extensions_triton_matches_reference(seed):
+def test_random_call_sequence_with_extensions_triton_matches_reference(seed, device):
     """Hysteresis, min / max scale, raise at the minimum, static scaling, no skipping: the
-    Triton kernels (with GradBuckets when drawn) against the reference path (without)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    Triton kernels (with GradBuckets when drawn) against the reference path (without), on
+    CPU tensors through the interpreter, or on the GPU in a GPU run."""
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    if device == "cuda" and (os.environ.get("TRITON_INTERPRET") == "1"
+                             or not torch.cuda.is_available()):
+        pytest.skip("a GPU run: CUDA, without the interpreter")
     rng = random.Random(seed)
     setup = _draw_setup(rng)
     setup["scaler"].update(_draw_extensions(rng, setup["scaler"]["init_scale"]))
-    _run(rng, setup, seed, _Side(setup, seed, "triton"),
-         _Side(setup, seed, "reference", buckets=False))
+    _run(rng, setup, seed, _Side(setup, seed, "triton", device=device),
+         _Side(setup, seed, "reference", buckets=False, device=device))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_call_sequence_on_cuda_matches_torch(cuda, seed):
+    """The Triton kernels compiled for the GPU against torch's CUDA scaler (a GPU run)."""
+    rng = random.Random(seed)
+    setup = _draw_setup(rng, bf16=False)
+    _run(rng, setup, seed, _Side(setup, seed, "triton", device="cuda"),
+         _Side(setup, seed, None, device="cuda"))
 
 
 def _run(rng: random.Random, setup: dict, seed: int, ours: _Side, theirs: _Side) -> None:
