@@ -181,3 +181,26 @@ def test_a_parameter_replaced_in_place_is_seen_from_the_next_zero(backend):
         return outcomes + [scaler.get_scale(), params[1].grad]
 
     assert _run_both(backend, build, loop) == ["ok"] * 4 + [8.0, None]
+
+
+def test_a_new_param_list_at_a_freed_lists_address_is_seen(backend):
+    """Two list replacements in a row: CPython hands the second new list the first list's
+    freed memory, so a cache keyed on the list's id would take it for the old one."""
+    build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(5)),
+                               torch.nn.Parameter(torch.randn(3))])
+
+    def loop(params, opt, scaler, zero_grad):
+        scaler.scale(params[0].sum() + params[1].sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=False)  # the buckets' views stay (nothing re-plans)
+        group = opt.param_groups[0]
+        group["params"] = list(group["params"])  # the first list is freed here (no cache
+        params[1] = torch.nn.Parameter(torch.randn(3))  # holding it), the next takes its id
+        group["params"] = [params[0], params[1]]
+        scaler.scale(params[0].sum() + params[1].sum() * math.inf).backward()
+        step = _outcome(lambda: scaler.step(opt))
+        scaler.update()
+        return [step, scaler.get_scale()]
+
+    assert _run_both(backend, build, loop) == ["ok", 4.0]  # the new grad's inf was seen

@@ -171,8 +171,12 @@ def test_no_grads_and_fp16_and_error_if_nonfinite(backend):
     scaler = GradScaler("cpu", backend=backend)
     scaler.scale(torch.ones(()))
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
-    with pytest.raises(ValueError, match="holds no gradients"):
+    total = scaler.clip_grad_norm_(opt, 1.0)  # no grads: as torch, norm 0, none recorded
+    assert torch.equal(total, torch.zeros(())) and total.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
         scaler.clip_grad_norm_(opt, 1.0)
+    with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
+        scaler.step(opt)
     params, opt16, scaler = _setup(backend, (5,), torch.float16)
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients."):
         scaler.clip_grad_norm_(opt16, 1.0)

@@ -110,7 +110,11 @@ def _unscale(side, k):
     side.scaler.unscale_(side.optimizers[k])
 
 
-def _unscale_and_clip(side, k):
+def _unscale_and_clip(side, k, fused):
+    """``fused`` (float32 grads only): ours on the reference path clips through
+    ``scaler.clip_grad_norm_``, bit-identical to torch's unscale_ + clip_grad_norm_."""
+    if fused and side.backend == "reference":
+        return side.scaler.clip_grad_norm_(side.optimizers[k], 0.5)
     side.scaler.unscale_(side.optimizers[k])
     params = [p for g in side.optimizers[k].param_groups for p in g["params"]]
     return torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -201,7 +205,9 @@ def _draw_call(rng: random.Random, setup: dict, gen: torch.Generator):
     if kind == "unscale":
         return _unscale, (k,)
     if kind == "clip":
-        return _unscale_and_clip, (k,)
+        a, b = setup["optimizers"][k][1]
+        fp32 = all(dtype == torch.float32 for _, dtype, _ in setup["params"][a:b])
+        return _unscale_and_clip, (k, fp32 and rng.random() < 0.5)
     if kind == "step":
         return _step, (k, rng.random() < 0.03)
     if kind == "update":

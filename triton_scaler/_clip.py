@@ -21,6 +21,7 @@ from . import reference
 from ._backend import resolve_backend
 from ._distributed import agree_over_meshes
 from ._grads import PerDevice, grad_groups
+from .buckets import buckets_of
 
 
 def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, float]:
@@ -59,6 +60,36 @@ def _group_norms(group, found_inf, scale, norm_type: float, backend: str) -> lis
     return list(torch._foreach_norm(grads, norm_type, dtype=wide)) if grads else []
 
 
+def _reference_total_norm(optimizer, groups, found_for, scale_for, norm_type: float,
+                          backend: str, device: torch.device) -> torch.Tensor | None:
+    """Reference backend, plain dense grads: unscale every group in place, then the total
+    norm formed exactly as torch's ``clip_grad_norm_`` forms it from the optimizer's grads
+    (one norm per grad, grouped by device and dtype in order of first appearance, then the
+    norm of the norms), each grad's norm in float32 (float64 for float64 grads): bit-identical
+    to torch's for float32 grads, GradBuckets or not. None: not this case (the Triton backend,
+    DTensor / sparse grads, no grad)."""
+    if not groups or any(resolve_backend(backend, g.device) != "reference" for g in groups):
+        return None
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if any(type(g) is not torch.Tensor or g.is_sparse for g in grads):
+        return None
+    for group in groups:
+        dev = group.device
+        reference.non_finite_check_and_unscale_(group.grads, found_for.get(dev),
+                                                reference.inv_scale_of(scale_for.get(dev)))
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        if g.numel() or norm_type != math.inf:  # the inf norm of an empty tensor is an error
+            by_key.setdefault((g.device, g.dtype), []).append(g)
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+             if g.dtype in (torch.float16, torch.bfloat16) else torch.linalg.vector_norm(g, norm_type)
+             for gs in by_key.values() for g in gs]
+    if not norms:
+        return torch.zeros((), device=device)
+    wide = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
+    return torch.linalg.vector_norm(torch.stack([n.to(device, wide) for n in norms]), norm_type)
+
+
 def _apply_coef(group, found_inf, scale, coef, backend: str) -> None:
     """Write pass: ``dtype(dtype(g * inv_scale) * coef)`` (reference: grads already unscaled)."""
     if resolve_backend(backend, coef.device) == "triton":
@@ -68,6 +99,8 @@ def _apply_coef(group, found_inf, scale, coef, backend: str) -> None:
                        inv_from_scale=True)
     else:
         torch._foreach_mul_(group.grads, coef)
+    if group.padding is not None:  # a bucket: 0 * a NaN coefficient must not stay there
+        group.grads[0].index_fill_(0, group.padding, 0)
 
 
 class ClipMixin:
@@ -91,21 +124,19 @@ class ClipMixin:
         if not isinstance(error_if_nonfinite, bool):
             raise TypeError(f"error_if_nonfinite must be a bool; got {error_if_nonfinite!r}")
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not params:
-            raise ValueError("clip_grad_norm_: the optimizer holds no gradients (every "
-                             "parameter's .grad is None); call it after backward()")
-        if not self._enabled or norm_type not in (2.0, math.inf):
-            if self._enabled:
+        if not self._enabled or norm_type not in (2.0, math.inf) or not params:
+            if self._enabled:  # no grads: as torch, unscale_ records none and the norm is 0
                 self.unscale_(optimizer)
             total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                                    error_if_nonfinite)
             return total.float() if not self._enabled else total.float().to(self._scale.device)
-        state = self._ready_to_unscale(optimizer, "clip_grad_norm_")
+        state = self._ready_to_unscale(optimizer, "unscale_")  # torch's unscale_ errors
         total, found_per_device = self._fused_clip(optimizer, max_norm, norm_type,
                                                    self._found_inf_flag(state))
         state["found_inf_per_device"] = found_per_device
         state["stage"] = OptState.UNSCALED
-        self._agree_found_inf(state, start_host_copy=True)
+        if found_per_device:  # none when no grad remained (GradBuckets: none received)
+            self._agree_found_inf(state, start_host_copy=True)
         if error_if_nonfinite and not bool(total.isfinite().item()):  # the documented read
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is "
@@ -119,27 +150,33 @@ class ClipMixin:
         scale_for = PerDevice(self._scale)
         with torch.no_grad():
             groups, mesh_groups = grad_groups(optimizer, False, self._backend)
-            norms = []  # per group, the stacked norms (one 0-d tensor per Python object: cheap)
-            for group in groups:
-                dev = group.device
-                group_norms = _group_norms(group, found_for.get(dev), scale_for.get(dev),
-                                           norm_type, self._backend)
-                if group_norms:
-                    norms.append(torch.stack(group_norms).to(device))
-            if not norms:
-                found_for.get(device)
-            wide = torch.float64 if any(n.dtype == torch.float64 for n in norms) \
-                else torch.float32
-            # torch's clip: the norm of the per-tensor norms (bit-identical on the reference
-            # path for float32 grads), then agreed over the mesh / process group
-            total = (torch.linalg.vector_norm(torch.cat([n.to(wide) for n in norms]), norm_type)
-                     if norms else torch.zeros((), dtype=wide, device=device))
+            total = _reference_total_norm(optimizer, groups, found_for, scale_for, norm_type,
+                                          self._backend, device)
+            if total is None:
+                norms = []  # per group, the stacked norms (one 0-d tensor per Python object)
+                for group in groups:
+                    dev = group.device
+                    group_norms = _group_norms(group, found_for.get(dev), scale_for.get(dev),
+                                               norm_type, self._backend)
+                    if group_norms:
+                        norms.append(torch.stack(group_norms).to(device))
+                if not groups and self._process_group is not None:
+                    found_for.get(device)  # no grads here: join the agreement with 0
+                wide = torch.float64 if any(n.dtype == torch.float64 for n in norms) \
+                    else torch.float32
+                # torch's clip: the norm of the per-tensor norms
+                total = (torch.linalg.vector_norm(torch.cat([n.to(wide) for n in norms]),
+                                                  norm_type)
+                         if norms else torch.zeros((), dtype=wide, device=device))
+            # agreed over the mesh / process group
             total = self._agree_norm(total, mesh_groups, norm_type).float()
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for group in groups:
                 dev = group.device
                 _apply_coef(group, found_for.get(dev), scale_for.get(dev), coef.to(dev),
                             self._backend)
+            for bucket in buckets_of(optimizer):
+                bucket.buffer_rewritten()
             if mesh_groups:
                 agree_over_meshes(found_for._per_device_tensors, mesh_groups)
         return total, found_for._per_device_tensors

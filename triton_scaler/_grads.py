@@ -22,7 +22,7 @@ from torch.amp.grad_scaler import _MultiDeviceReplicator
 from . import ops
 from ._backend import resolve_backend
 from ._distributed import local_grad
-from .buckets import buckets_of
+from .buckets import buckets_of, param_lists, same_param_lists
 
 _GRAD = operator.attrgetter("grad")
 _DTYPE = operator.attrgetter("dtype")
@@ -49,11 +49,12 @@ class GradGroup:
     known) is that launch's host work. Lives for one call: it holds the grads, which
     ``zero_grad(set_to_none=True)`` must free."""
 
-    __slots__ = ("device", "grads", "numels", "addresses", "plan")
+    __slots__ = ("device", "grads", "numels", "addresses", "plan", "padding")
 
-    def __init__(self, device, grads, numels=None, addresses=None, plan=None) -> None:
+    def __init__(self, device, grads, numels=None, addresses=None, plan=None,
+                 padding=None) -> None:
         self.device, self.grads, self.numels, self.addresses = device, grads, numels, addresses
-        self.plan = plan
+        self.plan, self.padding = plan, padding  # padding: a bucket's (GradBucket.padding)
 
     def launch_target(self):
         """What :func:`triton_scaler.kernels.launch_unscale` takes for this group: the plan,
@@ -69,10 +70,12 @@ class _Layout:
     """What an optimizer's parameters look like: built once per parameter layout."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, signature: tuple) -> None:
-        self.signature = signature
+        self.signature: tuple | None = signature  # buckets.param_lists(); None: rebuild
         self.buckets = list(buckets_of(optimizer))
-        self.bucket_groups = [GradGroup(b.device, [b.buffer], (b.buffer.numel(),))
-                              for b in self.buckets]  # the buffers live as long as the buckets
+        self.n_buckets = len(self.buckets)
+        # (the buffers live as long as the buckets)
+        self.bucket_groups = [GradGroup(b.device, [b.buffer], (b.buffer.numel(),),
+                                        padding=b.padding) for b in self.buckets]
         self.params = list(_live_params(optimizer))
         live = frozenset(map(id, self.params))
         # a bucket holding a parameter the optimizer no longer has (replaced by a new list)
@@ -119,11 +122,11 @@ _layouts: WeakKeyDictionary = WeakKeyDictionary()
 
 
 def _layout_of(optimizer: torch.optim.Optimizer) -> _Layout:
-    signature = (tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups),
-                 len(buckets_of(optimizer)))
+    groups = optimizer.param_groups
     layout = _layouts.get(optimizer)
-    if layout is None or layout.signature != signature or not layout.is_current(optimizer):
-        layout = _layouts[optimizer] = _Layout(optimizer, signature)
+    if layout is None or not same_param_lists(layout.signature, groups) or \
+            layout.n_buckets != len(buckets_of(optimizer)) or not layout.is_current(optimizer):
+        layout = _layouts[optimizer] = _Layout(optimizer, param_lists(groups))
     return layout
 
 

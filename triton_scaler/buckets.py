@@ -55,6 +55,13 @@ class GradBucket:
             total += -(-p.numel() // align) * align  # each view starts 16-byte aligned
         total = -(-total // 16) * 16  # a size % 16 == 0: the launch specialises aligned
         self.buffer = torch.zeros(total, dtype=self.dtype, device=self.device)
+        covered = torch.zeros(total, dtype=torch.bool)
+        for p, (_, _, offset) in zip(params, self._layout):
+            covered[offset:offset + p.numel()] = True
+        # the alignment padding: zero, and kept zero after a write that may not keep it
+        # (clip_grad_norm_: 0 * a NaN clip coefficient), or found_inf would stay set
+        self.padding = (~covered).nonzero().flatten().to(self.device) if not covered.all() \
+            else None
         self.param_ids = frozenset(id(p) for p in params)
         self._on_detach = on_detach
         self._warned = False
@@ -149,6 +156,12 @@ class GradBucket:
             outside |= self._reattach(detached, self._on_detach == "reattach")
         ids = frozenset(id(self.params[i]) for i in held + quiet + detached) - outside
         return self.param_ids if len(ids) == len(self.params) else ids
+
+    def buffer_rewritten(self) -> None:
+        """A write pass over the whole buffer that may not keep zeros zero ran (0 * a NaN
+        clip coefficient): the views of parameters whose grad is None are zeroed again at
+        the next :meth:`attach_grads`."""
+        self._zeroed.clear()
 
     def _zero_views_of(self, indices: list[int]) -> None:
         """Zero the views of parameters whose grad is None, once until they are written."""
@@ -291,11 +304,10 @@ class GradBuckets:
         again when the optimizer's parameter lists change (ids and lengths) or on
         ``recheck``."""
         groups = self._optimizer.param_groups
-        signature = tuple((id(g["params"]), len(g["params"])) for g in groups)
-        if recheck or self._outside is None or self._outside[0] != signature:
+        if recheck or self._outside is None or not same_param_lists(self._outside[0], groups):
             inside = frozenset().union(*(b.param_ids for b in self.buckets))
-            self._outside = (signature, [p for g in groups for p in g["params"]
-                                         if id(p) not in inside])
+            self._outside = (param_lists(groups), [p for g in groups for p in g["params"]
+                                                   if id(p) not in inside])
         return self._outside[1]
 
     def __len__(self) -> int:
@@ -303,6 +315,22 @@ class GradBuckets:
 
     def __iter__(self):
         return iter(self.buckets)
+
+
+def param_lists(param_groups: list[dict]) -> tuple[tuple[list, ...], tuple[int, ...]]:
+    """The groups' parameter lists themselves and their lengths: what
+    :func:`same_param_lists` compares. Holding the lists (not their ids) keeps a replaced
+    list from being freed and its id reused by a newer one."""
+    return tuple(g["params"] for g in param_groups), tuple(len(g["params"]) for g in param_groups)
+
+
+def same_param_lists(known: tuple | None, param_groups: list[dict]) -> bool:
+    """The groups hold the same list objects as ``known`` (from :func:`param_lists`), of the
+    same lengths: O(number of groups)."""
+    if known is None or len(known[0]) != len(param_groups):
+        return False
+    return all(g["params"] is lst and len(lst) == n
+               for g, lst, n in zip(param_groups, known[0], known[1]))
 
 
 def buckets_of(optimizer: torch.optim.Optimizer) -> list[GradBucket]:
