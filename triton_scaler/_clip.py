@@ -118,7 +118,8 @@ class ClipMixin:
         as ``unscale_`` + torch's ``clip_grad_norm_``. With ``process_group`` (and over a DTensor
         mesh) the norm is the global one: partial sums are all-reduced before the clip
         coefficient is formed. No host sync, except ``error_if_nonfinite=True`` (one read).
-        A disabled scaler clips with torch's ``clip_grad_norm_``.
+        A disabled scaler clips with torch's ``clip_grad_norm_``. No grads: as torch, a 0
+        norm and nothing recorded (``step`` then raises).
         """
         max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
         if not isinstance(error_if_nonfinite, bool):
