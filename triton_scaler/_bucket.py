@@ -1,0 +1,203 @@
+"""One flat gradient buffer (:class:`GradBucket`): the views, the checks that they are still
+the grads, and the way back when they are not. :class:`triton_scaler.GradBuckets` builds them."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+_ALIGN_BYTES = 16
+# Parameters held by live buckets. Kept off the parameters themselves, so a pickled or copied
+# model (torch.save, deepcopy) carries no trace of buckets it no longer has.
+_bucketed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _grad_strides(p: torch.Tensor) -> tuple[int, ...]:
+    """The strides torch gives ``p``'s gradient: ``p``'s own when it is dense and
+    non-overlapping (channels_last, a transpose), else row-major. Fused optimizers read param
+    and grad as flat memory, so a grad must have exactly these."""
+    return torch.empty_like(p, device="meta").stride()
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    """How many tensors (TensorImpls) share ``t``'s storage, plus one for the query itself."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class GradBucket:
+    """One contiguous gradient buffer for parameters of one device and dtype.
+
+    Each parameter's grad is a view into :attr:`buffer` (16-byte aligned, with the strides
+    torch gives that parameter's grad); the buffer's size is padded to a multiple of 16
+    elements, so the one launch over it runs aligned, mask-free vector accesses.
+
+    Per step the bucket costs O(1) host work while every grad is still its view and every
+    parameter received a gradient: the views are counted through the storage's reference
+    count (a grad replaced by ``zero_grad(set_to_none=True)``, by assignment or set to None
+    frees its view) and the gradients through post-accumulate-grad hooks that are C calls.
+    Anything else takes the per-parameter path, which puts grads back in place.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], on_detach: str) -> None:
+        self.params = params
+        self.device = params[0].device
+        self.dtype = params[0].dtype
+        align = _ALIGN_BYTES // params[0].element_size()
+        self._layout, total = [], 0
+        for p in params:
+            self._layout.append((p.shape, _grad_strides(p), total))
+            total += -(-p.numel() // align) * align  # each view starts 16-byte aligned
+        total = -(-total // 16) * 16  # a size % 16 == 0: the launch specialises aligned
+        self.buffer = torch.zeros(total, dtype=self.dtype, device=self.device)
+        covered = torch.zeros(total, dtype=torch.bool)
+        for p, (_, _, offset) in zip(params, self._layout):
+            covered[offset:offset + p.numel()] = True
+        # the alignment padding: zero, and kept zero after a write that may not keep it
+        # (clip_grad_norm_: 0 * a NaN clip coefficient), or found_inf would stay set
+        self.padding = (~covered).nonzero().flatten().to(self.device) if not covered.all() \
+            else None
+        self.param_ids = frozenset(id(p) for p in params)
+        self._on_detach = on_detach
+        self._warned = False
+        # Parameters (by index) whose grad autograd wrote since the last zero_(): the others
+        # get ``grad = None`` before the step, as after torch's default zero_grad(), so
+        # optimizers skip them (no weight decay, momentum or state for unused or frozen ones).
+        self.received: dict[int, torch.Tensor] = {}
+        self._unset_by_us: set[int] = set()
+        self._zeroed: set[int] = set()  # views zeroed while their grad is None
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._hooks = [p.register_post_accumulate_grad_hook(
+            functools.partial(self.received.__setitem__, i)) for i, p in enumerate(params)]
+        self._all_views_refs = _storage_refs(self.buffer) + len(params)
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                view = self.view(i)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                    self.received[i] = p
+                p.grad = view
+
+    def view(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s gradient view into the buffer (a new tensor object each call)."""
+        shape, strides, offset = self._layout[i]
+        return self.buffer.as_strided(shape, strides, offset)
+
+    def _is_view(self, i: int, grad: torch.Tensor) -> bool:
+        shape, strides, offset = self._layout[i]
+        return (grad.layout == torch.strided
+                and grad.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
+                and grad.storage_offset() == offset and grad.shape == shape
+                and grad.stride() == strides and grad.dtype == self.dtype)
+
+    def all_views_in_place(self) -> bool:
+        """O(1): every parameter's grad is still a live view of the buffer (by the storage's
+        reference count; a view kept alive elsewhere, e.g. in a list, makes this False)."""
+        return _storage_refs(self.buffer) == self._all_views_refs
+
+    def attach_grads(self) -> frozenset[int]:
+        """Check that every grad is still its view and deal with those that are not; give the
+        parameters that received no gradient since :meth:`GradBuckets.zero_` ``grad = None``.
+
+        Returns the ids of the parameters whose grads this bucket's buffer now holds (the
+        object :attr:`param_ids` itself when it holds all; none of a parameter whose grad
+        is None, so an optimizer none of whose parameters has a grad raises in ``step`` as
+        in torch). A grad replaced by
+        ``zero_grad(set_to_none=True)`` is copied back into its view (``on_detach=
+        "reattach"``) or left to the per-tensor path (``"warn"``); both warn once.
+        """
+        received = self.received
+        if len(received) == len(self.params) and self.all_views_in_place():
+            return self.param_ids  # the O(1) path: nothing to do
+        detached, quiet, unset, held = [], [], [], []
+        for i, p in enumerate(self.params):
+            grad = p.grad
+            if grad is not None and self._is_view(i, grad):
+                if i in received:
+                    held.append(i)
+                else:  # no gradient this iteration: as torch, grad None
+                    p.grad = None
+                    self._unset_by_us.add(i)
+            elif grad is None:  # set to None outside: the view must not keep stale values
+                unset.append(i)
+            elif i in self._unset_by_us:  # we set it to None; autograd made a new one
+                quiet.append(i)
+            elif grad._is_view():  # a view into someone else's buffer: DDP's buckets
+                raise RuntimeError(
+                    "a gradient is a view into another buffer, not into its GradBucket: DDP "
+                    "with gradient_as_bucket_view=True keeps grads in its own contiguous "
+                    "buckets and replaces ours. Do not combine the two: drop GradBuckets (the "
+                    "scaler covers DDP's grads with one chunk-table launch per (device, dtype)) "
+                    "or build DDP with gradient_as_bucket_view=False")
+            else:  # not a view any more (zero_grad(set_to_none=True), or assigned)
+                detached.append(i)
+        if unset:
+            self._zero_views_of(unset)
+        outside: set[int] = set()
+        if quiet:  # grads we set to None and autograd re-created: back in, no warning
+            self._unset_by_us.difference_update(quiet)
+            outside |= self._reattach(quiet)
+        if detached:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"{len(detached)} gradient(s) are no longer views into their GradBucket "
+                    "(was optimizer.zero_grad() called with set_to_none=True?). "
+                    + ("They are copied back into the bucket each step, which costs a copy; "
+                       if self._on_detach == "reattach" else
+                       "They take the per-tensor path, off the one-launch fast path; ")
+                    + "call buckets.zero_() or optimizer.zero_grad(set_to_none=False) instead.",
+                    stacklevel=5)
+            outside |= self._reattach(detached, self._on_detach == "reattach")
+        ids = frozenset(id(self.params[i]) for i in held + quiet + detached) - outside
+        return self.param_ids if len(ids) == len(self.params) else ids
+
+    def buffer_rewritten(self) -> None:
+        """A write pass over the whole buffer that may not keep zeros zero ran (0 * a NaN
+        clip coefficient): the views of parameters whose grad is None are zeroed again at
+        the next :meth:`attach_grads`."""
+        self._zeroed.clear()
+
+    def _zero_views_of(self, indices: list[int]) -> None:
+        """Zero the views of parameters whose grad is None, once until they are written."""
+        with torch.no_grad():
+            for i in indices:
+                if i not in self._zeroed:
+                    self._zeroed.add(i)
+                    self.view(i).zero_()
+
+    def _reattach(self, detached: list[int], copy_back: bool = True) -> set[int]:
+        """Copy each grad back into its view (or zero the view and leave the grad outside);
+        returns the ids of the parameters left outside the bucket."""
+        outside = set()
+        with torch.no_grad():
+            for i in detached:
+                p, view = self.params[i], self.view(i)
+                grad = p.grad
+                if grad is not None and copy_back and not grad.is_sparse:
+                    view.copy_(grad)
+                    p.grad = view
+                    self._zeroed.discard(i)
+                else:
+                    view.zero_()  # the bucket launch must not see stale values
+                    outside.add(id(p))
+        return outside
+
+    def _repoint(self) -> None:
+        """Give every parameter whose grad is not its view the view again."""
+        for i, p in enumerate(self.params):
+            grad = p.grad
+            if grad is None or not self._is_view(i, grad):
+                p.grad = self.view(i)
+
+    def _release(self) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                grad = p.grad
+                if grad is not None and self._is_view(i, grad):
+                    p.grad = grad.clone()
+                _bucketed.pop(p, None)
+        for hook in self._hooks:
+            hook.remove()
