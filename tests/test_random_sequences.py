@@ -25,7 +25,8 @@ from _util import assert_same
 
 import triton_scaler
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
+pytestmark = pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket",
+                                        "ignore:.*scale has underflowed")
 
 SEEDS = range(40)
 CALLS = 60
@@ -63,6 +64,7 @@ def _draw_setup(rng: random.Random, bf16: bool = True) -> dict:
         "params": params,
         "optimizers": [(rng.choice(list(OPTIMIZERS)), s) for s in slices],
         "buckets": rng.random() < 0.35,
+        "on_detach": rng.choice(["reattach", "warn"]),
         "scaler": {"init_scale": rng.choice([2.0**16, 2.0**3, 1000.0, 2.0**100]),
                    "growth_factor": rng.choice([2.0, 1.5, 3.0]),
                    "backoff_factor": rng.choice([0.5, 0.25, 0.7]),
@@ -88,7 +90,8 @@ class _Side:
                            for kind, (a, b) in setup["optimizers"]]
         self.ours, self.backend, self.settings = backend is not None, backend, setup["scaler"]
         self.scaler = self.new_scaler()
-        self.buckets = ([triton_scaler.GradBuckets(opt) for opt in self.optimizers]
+        self.buckets = ([triton_scaler.GradBuckets(opt, on_detach=setup["on_detach"])
+                         for opt in self.optimizers]
                         if self.ours and buckets and setup["buckets"] else None)
 
     def new_scaler(self) -> torch.amp.GradScaler:
