@@ -163,7 +163,8 @@ def _add_param_group(side, k, spec, data_seed):
 
 def _replace_param(side, i, spec, data_seed, in_place):
     """A new parameter object in place of parameter ``i``, in the optimizer's group: in the
-    group's list itself, or in a new list (README: GradBuckets needs the latter)."""
+    group's list itself, or in a new list (only the latter with GradBuckets: in place, it is
+    seen only between buckets.zero_() and the backward, README)."""
     old = side.params[i]
     new = _new_param(spec, torch.Generator().manual_seed(data_seed), side.device)
     side.params[i] = new
