@@ -3,6 +3,7 @@ view into it, so the scaler unscales a whole bucket with one kernel launch."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Literal
 
@@ -69,8 +70,8 @@ class GradBuckets:
             for p in bucket.params:
                 _bucketed[p] = True
         self._optimizer = optimizer
-        # (the optimizer's param lists, as ids and lengths; its parameters no bucket holds)
-        self._outside: tuple[tuple, list[torch.Tensor]] | None = None
+        # (the optimizer's param lists, its parameters, those no bucket holds)
+        self._outside: tuple[tuple, list, list[torch.Tensor]] | None = None
         if optimizer is not None:
             setattr(optimizer, _REGISTRY_ATTR, getattr(optimizer, _REGISTRY_ATTR, []) + self.buckets)
 
@@ -108,14 +109,17 @@ class GradBuckets:
     def _params_outside(self, recheck: bool) -> list[torch.Tensor]:
         """The optimizer's parameters that no bucket holds (frozen when the buckets were
         built, or added since: a new group or list, a parameter replaced in place); found
-        again when the optimizer's parameter lists change (ids and lengths) or on
-        ``recheck``."""
+        again when the optimizer's parameter lists change, or on ``recheck`` when one
+        identity pass over the parameters sees one replaced in place."""
         groups = self._optimizer.param_groups
-        if recheck or self._outside is None or not same_param_lists(self._outside[0], groups):
+        known = self._outside
+        if known is None or not same_param_lists(known[0], groups) or (recheck and not all(
+                map(operator.is_, (p for g in groups for p in g["params"]), known[1]))):
             inside = frozenset().union(*(b.param_ids for b in self.buckets))
-            self._outside = (param_lists(groups), [p for g in groups for p in g["params"]
-                                                   if id(p) not in inside])
-        return self._outside[1]
+            params = [p for g in groups for p in g["params"]]
+            known = self._outside = (param_lists(groups), params,
+                                     [p for p in params if id(p) not in inside])
+        return known[2]
 
     def __len__(self) -> int:
         return len(self.buckets)
