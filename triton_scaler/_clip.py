@@ -19,8 +19,9 @@ from torch.amp.grad_scaler import OptState
 
 from . import reference
 from ._backend import resolve_backend
-from ._distributed import agree_over_meshes
+from ._distributed import agree_over_meshes, local_grad
 from ._grads import PerDevice, grad_groups
+from ._norms import combine_partials, reference_total_norm
 from .buckets import buckets_of
 
 
@@ -40,59 +41,46 @@ def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, fl
     return float(max_norm), float(norm)
 
 
-def _group_norms(group, found_inf, scale, norm_type: float, backend: str) -> list:
-    """Unscale (reference: in place now; Triton: a read pass) and return norms of the
-    unscaled grads of one :class:`GradGroup`, in float32 (float64 for float64 grads): per
-    tensor on the reference path (torch's ``_foreach_norm``, as torch's clip), one for the
-    whole group on the Triton path (from the kernel's per-program partial sums). ``scale``:
-    the 0-d fp32 scale on the group's device (the kernel forms its reciprocal as torch)."""
+def _norm_entries(params) -> list[tuple[torch.Tensor, tuple[Any, ...]]]:
+    """``(grad, mesh groups)`` of each parameter with a grad, for :func:`reference_total_norm`:
+    a DTensor grad's local tensor and the groups it is sharded over; ``()`` otherwise."""
+    entries = []
+    for param in params:
+        grad = param.grad
+        if type(grad) is torch.Tensor:
+            entries.append((grad, ()))
+        else:
+            grad, groups = local_grad(grad, "reference")
+            entries.append((grad, groups or ()))
+    return entries
+
+
+def _group_partial(group, found_inf, scale, norm_type: float, backend: str) -> torch.Tensor:
+    """The Triton read pass of one :class:`GradGroup` (found_inf and its sum of squares, or
+    max ``|x|``, of the unscaled grads); on the reference backend (a group on another device
+    than the Triton groups) the same from an in-place unscale and torch's norms."""
     if resolve_backend(backend, found_inf.device) == "triton":
         from triton_scaler.kernels import launch_unscale
 
-        partial = launch_unscale(group.launch_target(), found_inf, scale, write=False,
-                                 norm=2 if norm_type == 2.0 else -1, inv_from_scale=True)
-        return [partial.sqrt() if norm_type == 2.0 else partial]
-    grads = group.grads
-    reference.non_finite_check_and_unscale_(grads, found_inf, reference.inv_scale_of(scale))
-    if norm_type != 2.0:  # the inf norm of an empty tensor is an error in torch
-        grads = [g for g in grads if g.numel()]
-    wide = torch.float64 if grads and grads[0].dtype == torch.float64 else torch.float32
-    return list(torch._foreach_norm(grads, norm_type, dtype=wide)) if grads else []
-
-
-def _reference_total_norm(optimizer, groups, found_for, scale_for, norm_type: float,
-                          backend: str, device: torch.device) -> torch.Tensor | None:
-    """Reference backend, plain dense grads: unscale every group in place, then the total
-    norm formed exactly as torch's ``clip_grad_norm_`` forms it from the optimizer's grads
-    (one norm per grad, grouped by device and dtype in order of first appearance, then the
-    norm of the norms), each grad's norm in float32 (float64 for float64 grads): bit-identical
-    to torch's for float32 grads, GradBuckets or not. None: not this case (the Triton backend,
-    DTensor / sparse grads, no grad)."""
-    if not groups or any(resolve_backend(backend, g.device) != "reference" for g in groups):
-        return None
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    if any(type(g) is not torch.Tensor or g.is_sparse for g in grads):
-        return None
-    for group in groups:
-        dev = group.device
-        reference.non_finite_check_and_unscale_(group.grads, found_for.get(dev),
-                                                reference.inv_scale_of(scale_for.get(dev)))
-    by_key: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        if g.numel() or norm_type != math.inf:  # the inf norm of an empty tensor is an error
-            by_key.setdefault((g.device, g.dtype), []).append(g)
-    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-             if g.dtype in (torch.float16, torch.bfloat16) else torch.linalg.vector_norm(g, norm_type)
-             for gs in by_key.values() for g in gs]
+        return launch_unscale(group.launch_target(), found_inf, scale, write=False,
+                              norm=2 if norm_type == 2.0 else -1, inv_from_scale=True)
+    reference.non_finite_check_and_unscale_(group.grads, found_inf, reference.inv_scale_of(scale))
+    norms = [_norm_of(g, norm_type) for g in group.grads if g.numel() or norm_type == 2.0]
     if not norms:
-        return torch.zeros((), device=device)
-    wide = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
-    return torch.linalg.vector_norm(torch.stack([n.to(device, wide) for n in norms]), norm_type)
+        return torch.zeros((), device=found_inf.device)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    return total if norm_type == math.inf else total.square()
 
 
-def _apply_coef(group, found_inf, scale, coef, backend: str) -> None:
-    """Write pass: ``dtype(dtype(g * inv_scale) * coef)`` (reference: grads already unscaled)."""
-    if resolve_backend(backend, coef.device) == "triton":
+def _norm_of(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    wide = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(grad, norm_type, dtype=wide)
+
+
+def _apply_coef(group, found_inf, scale, coef, write_pass: bool) -> None:
+    """``dtype(dtype(g * inv_scale) * coef)``: the Triton write pass (``write_pass``), else a
+    multiplication of grads already unscaled."""
+    if write_pass:
         from triton_scaler.kernels import launch_unscale
 
         launch_unscale(group.launch_target(), found_inf, scale, write=True, clip_coef=coef,
@@ -103,11 +91,24 @@ def _apply_coef(group, found_inf, scale, coef, backend: str) -> None:
         group.grads[0].index_fill_(0, group.padding, 0)
 
 
+def _clip_unscaled(params, max_norm: float, norm_type: float, shard_group: Any,
+                   device: torch.device) -> torch.Tensor:
+    """Clip grads that are not scaled (a disabled scaler, or after ``unscale_``) by the total
+    norm of :func:`reference_total_norm`: any ``p``, plain grads sharded over ``shard_group``."""
+    total = reference_total_norm(_norm_entries(params), norm_type, shard_group, device).float()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for entry, _ in _norm_entries(params):
+            entry.mul_(coef.to(entry.device))
+    return total
+
+
 class ClipMixin:
     """``clip_grad_norm_`` of :class:`triton_scaler.GradScaler`."""
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,
-                        norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+                        norm_type: float = 2.0, error_if_nonfinite: bool = False, *,
+                        sharded: bool | None = None) -> torch.Tensor:
         """Unscale the optimizer's grads and clip them by their total norm, in one read pass
         and one read + write pass (torch's ``unscale_`` + ``clip_grad_norm_`` make five).
 
@@ -115,29 +116,50 @@ class ClipMixin:
         overflow; a later ``unscale_`` raises, as torch). Returns the total norm of the
         unscaled grads as a 0-d float32 tensor on the scale's device, accumulated in float32
         (also for bf16 / fp16 grads). ``norm_type`` 2 and ``inf`` run fused; other ``p > 0`` run
-        as ``unscale_`` + torch's ``clip_grad_norm_``. With ``process_group`` (and over a DTensor
-        mesh) the norm is the global one: partial sums are all-reduced before the clip
-        coefficient is formed. No host sync, except ``error_if_nonfinite=True`` (one read).
+        as ``unscale_`` + a clip. No host sync, except ``error_if_nonfinite=True`` (one read).
         A disabled scaler clips with torch's ``clip_grad_norm_``. No grads: as torch, a 0
-        norm and nothing recorded (``step`` then raises).
+        norm and nothing recorded (``step`` then raises). Sparse grads raise, as in torch.
+
+        Whose norm (every rank calls this; the reductions are collective): DTensor grads
+        (FSDP2, tensor parallel) give the global norm over their mesh, as torch's clip.
+        Plain grads: ``sharded=False`` (or no ``process_group``), the norm of this rank's
+        grads, as torch's clip (DDP, whose grads are already reduced); ``sharded=True``, they
+        are shards of one gradient over the scaler's ``process_group`` (FSDP1 with a sharded
+        strategy, ZeRO-style sharding) and the norm is summed over it, as
+        ``FullyShardedDataParallel.clip_grad_norm_``. With a ``process_group`` and plain
+        grads, ``sharded`` must be given.
         """
         max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
         if not isinstance(error_if_nonfinite, bool):
             raise TypeError(f"error_if_nonfinite must be a bool; got {error_if_nonfinite!r}")
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not self._enabled or norm_type not in (2.0, math.inf) or not params:
-            if self._enabled:  # no grads: as torch, unscale_ records none and the norm is 0
-                self.unscale_(optimizer)
-            total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
-                                                   error_if_nonfinite)
-            return total.float() if not self._enabled else total.float().to(self._scale.device)
-        state = self._ready_to_unscale(optimizer, "unscale_")  # torch's unscale_ errors
-        total, found_per_device = self._fused_clip(optimizer, max_norm, norm_type,
-                                                   self._found_inf_flag(state))
-        state["found_inf_per_device"] = found_per_device
-        state["stage"] = OptState.UNSCALED
-        if found_per_device:  # none when no grad remained (GradBuckets: none received)
-            self._agree_found_inf(state, start_host_copy=True)
+        shard_group = self._shard_group(params, sharded)
+        if any(p.grad.is_sparse for p in params):
+            raise NotImplementedError(
+                "clip_grad_norm_ takes dense gradients only; a parameter has a sparse one "
+                "(torch.nn.utils.clip_grad_norm_ does not take them either)")
+        if not self._enabled:
+            if shard_group is not None:
+                device = params[0].grad.device if params else torch.device("cpu")
+                return _clip_unscaled(params, max_norm, norm_type, shard_group, device)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                                  error_if_nonfinite).float()
+        if norm_type not in (2.0, math.inf) or (not params and shard_group is None):
+            self.unscale_(optimizer)  # no grads: as torch, unscale_ records none, norm 0
+            device = self._scale.device
+            if shard_group is None:
+                total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                                       error_if_nonfinite)
+                return total.float().to(device)
+            total = _clip_unscaled(params, max_norm, norm_type, shard_group, device)
+        else:
+            state = self._ready_to_unscale(optimizer, "unscale_")  # torch's unscale_ errors
+            total, found_per_device = self._fused_clip(optimizer, max_norm, norm_type,
+                                                       self._found_inf_flag(state), shard_group)
+            state["found_inf_per_device"] = found_per_device
+            state["stage"] = OptState.UNSCALED
+            if found_per_device:  # none when no grad remained (GradBuckets: none received)
+                self._agree_found_inf(state, start_host_copy=True)
         if error_if_nonfinite and not bool(total.isfinite().item()):  # the documented read
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is "
@@ -145,56 +167,58 @@ class ClipMixin:
                 "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         return total
 
-    def _fused_clip(self, optimizer, max_norm: float, norm_type: float, found_inf):
+    def _shard_group(self, params: list, sharded: bool | None) -> Any:
+        """The group over which plain grads are shards (None: they are whole); raises when
+        ``sharded`` is not a bool or None, or is needed and missing."""
+        if sharded is not None and not isinstance(sharded, bool):
+            raise TypeError(f"sharded must be True, False or None; got {sharded!r}")
+        group = self._process_group
+        if sharded and group is None:
+            raise ValueError("sharded=True sums the norm over the scaler's process_group, and "
+                             "this GradScaler has none: pass GradScaler(..., process_group=pg)")
+        if sharded is None and group is not None and \
+                any(type(p.grad) is torch.Tensor for p in params):
+            raise ValueError(
+                "clip_grad_norm_ with a process_group and plain (not DTensor) grads: pass "
+                "sharded=True when each rank's grads are shards of one gradient (FSDP1 with a "
+                "sharded strategy, ZeRO-style sharding: the norm is summed over process_group) "
+                "or sharded=False when every rank holds the whole gradient (DDP: the norm is "
+                "this rank's, as torch.nn.utils.clip_grad_norm_)")
+        return group if sharded else None
+
+    def _fused_clip(self, optimizer, max_norm: float, norm_type: float, found_inf,
+                    shard_group: Any):
         device = self._scale.device
         found_for = PerDevice(found_inf)
         scale_for = PerDevice(self._scale)
         with torch.no_grad():
             groups, mesh_groups = grad_groups(optimizer, False, self._backend)
-            total = _reference_total_norm(optimizer, groups, found_for, scale_for, norm_type,
-                                          self._backend, device)
-            if total is None:
-                norms = []  # per group, the stacked norms (one 0-d tensor per Python object)
+            # torch's arithmetic where no group runs on the Triton kernels
+            on_triton = [resolve_backend(self._backend, g.device) == "triton" for g in groups]
+            if not any(on_triton):
                 for group in groups:
                     dev = group.device
-                    group_norms = _group_norms(group, found_for.get(dev), scale_for.get(dev),
-                                               norm_type, self._backend)
-                    if group_norms:
-                        norms.append(torch.stack(group_norms).to(device))
-                if not groups and self._process_group is not None:
-                    found_for.get(device)  # no grads here: join the agreement with 0
-                wide = torch.float64 if any(n.dtype == torch.float64 for n in norms) \
-                    else torch.float32
-                # torch's clip: the norm of the per-tensor norms
-                total = (torch.linalg.vector_norm(torch.cat([n.to(wide) for n in norms]),
-                                                  norm_type)
-                         if norms else torch.zeros((), dtype=wide, device=device))
-            # agreed over the mesh / process group
-            total = self._agree_norm(total, mesh_groups, norm_type).float()
+                    reference.non_finite_check_and_unscale_(
+                        group.grads, found_for.get(dev), reference.inv_scale_of(scale_for.get(dev)))
+                params = [p for g in optimizer.param_groups for p in g["params"]
+                          if p.grad is not None]
+                total = reference_total_norm(_norm_entries(params), norm_type, shard_group,
+                                             device)
+            else:
+                partials = [(_group_partial(g, found_for.get(g.device), scale_for.get(g.device),
+                                            norm_type, self._backend), g.mesh_groups)
+                            for g in groups]
+                total = combine_partials(partials, norm_type, shard_group, device)
+            if not groups and self._process_group is not None:
+                found_for.get(device)  # no grads here: join the agreement with 0
+            total = total.float()
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for group in groups:
+            for group, write_pass in zip(groups, on_triton):
                 dev = group.device
                 _apply_coef(group, found_for.get(dev), scale_for.get(dev), coef.to(dev),
-                            self._backend)
+                            write_pass)
             for bucket in buckets_of(optimizer):
                 bucket.buffer_rewritten()
             if mesh_groups:
                 agree_over_meshes(found_for._per_device_tensors, mesh_groups)
         return total, found_for._per_device_tensors
-
-    def _agree_norm(self, total: torch.Tensor, mesh_groups: dict[Any, tuple],
-                    norm_type: float) -> torch.Tensor:
-        """The global norm: squares summed (max for inf) over the DTensor mesh and
-        ``process_group``, in float64."""
-        groups = [g for gs in mesh_groups.values() for g in gs]
-        if self._process_group is not None:
-            groups.append(self._process_group)
-        if not groups:
-            return total
-        import torch.distributed as dist
-
-        combined = total.double().square() if norm_type == 2.0 else total.double()
-        op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
-        for group in groups:
-            dist.all_reduce(combined, op=op, group=group)
-        return combined.sqrt() if norm_type == 2.0 else combined

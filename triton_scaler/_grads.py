@@ -49,12 +49,13 @@ class GradGroup:
     known) is that launch's host work. Lives for one call: it holds the grads, which
     ``zero_grad(set_to_none=True)`` must free."""
 
-    __slots__ = ("device", "grads", "numels", "addresses", "plan", "padding")
+    __slots__ = ("device", "grads", "numels", "addresses", "plan", "padding", "mesh_groups")
 
     def __init__(self, device, grads, numels=None, addresses=None, plan=None,
-                 padding=None) -> None:
+                 padding=None, mesh_groups=()) -> None:
         self.device, self.grads, self.numels, self.addresses = device, grads, numels, addresses
         self.plan, self.padding = plan, padding  # padding: a bucket's (GradBucket.padding)
+        self.mesh_groups = mesh_groups  # DTensor grads: the groups they are sharded over
 
     def launch_target(self):
         """What :func:`triton_scaler.kernels.launch_unscale` takes for this group: the plan,
@@ -247,18 +248,18 @@ def _index(device: torch.device) -> int:
 
 
 def _groups_slow(params, allow_fp16: bool, backend: str):
-    """Per-parameter grouping (any grads: None, sparse, DTensor, mixed)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    """Per-parameter grouping (any grads: None, sparse, DTensor, mixed). DTensor grads are
+    grouped also by the mesh groups they are sharded over (a clip's norm is reduced per
+    group); found_inf is agreed over the union of those groups, per device."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     fp16, plain = torch.float16, torch.Tensor
-    mesh_groups: dict[torch.device, tuple] = {}
     for param in params:
         grad = param.grad
         if grad is None:
             continue
+        on_mesh = None
         if type(grad) is not plain:  # DTensor (FSDP2): its local shard
             grad, on_mesh = local_grad(grad, resolve_backend(backend, grad.device))
-            if on_mesh:
-                mesh_groups.setdefault(grad.device, on_mesh)
         dtype = grad.dtype
         if dtype == fp16 and not allow_fp16:
             raise ValueError("Attempting to unscale FP16 gradients.")
@@ -266,8 +267,13 @@ def _groups_slow(params, allow_fp16: bool, backend: str):
             if dtype is fp16:
                 param.grad = grad = grad.coalesce()
             grad = grad._values()
-        groups[grad.device, dtype].append(grad)
-    for device, dtype in groups:
+        groups[grad.device, dtype, on_mesh or ()].append(grad)
+    mesh_groups: dict[torch.device, list] = {}
+    for device, dtype, on_mesh in groups:
         if dtype not in ops.FLOAT_DTYPES:
             ops.check_grad_dtype(f"a gradient on {device}", dtype)
-    return [GradGroup(device, grads) for (device, _), grads in groups.items()], mesh_groups
+        if on_mesh:
+            known = mesh_groups.setdefault(device, [])
+            known.extend(g for g in on_mesh if not any(g is k for k in known))
+    return ([GradGroup(device, grads, mesh_groups=on_mesh)
+             for (device, _, on_mesh), grads in groups.items()], mesh_groups)

@@ -3,7 +3,10 @@ Accelerate (``accelerator.clip_grad_norm_``), Lightning Fabric (``fabric.clip_gr
 the Lightning Trainer (``gradient_clip_val``). Each of these unscales through the scaler and
 then calls torch's ``clip_grad_norm_`` (five passes over the grads); the helpers here take the
 fused route (three passes) when it gives the same result, and the library's own route
-otherwise. Accelerate and Lightning are imported only by the functions that need them.
+otherwise. Those routes are single-process or DDP (FSDP and DeepSpeed take their own precision
+plugins), whose grads are whole on every rank: the fused clip runs with ``sharded=False``, the
+norm of the rank's own grads, as the library's. Accelerate and Lightning are imported only by
+the functions that need them.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def accelerate_clip_grad_norm_(accelerator: Any, parameters: Any, max_norm: floa
             and getattr(accelerator, "native_amp", False) and len(accelerator._optimizers) == 1:
         optimizer = _inner_optimizer(accelerator._optimizers[0])
         if _covers_exactly(optimizer, parameters):
-            return scaler.clip_grad_norm_(optimizer, max_norm, norm_type)
+            return scaler.clip_grad_norm_(optimizer, max_norm, norm_type, sharded=False)
     return accelerator.clip_grad_norm_(parameters, max_norm, norm_type)
 
 
@@ -62,7 +65,8 @@ def fabric_clip_gradients(fabric: Any, module: Any, optimizer: Any, max_norm: fl
     parameters = list(module.parameters())
     if isinstance(scaler, GradScaler) and scaler.is_enabled() and _covers_exactly(inner,
                                                                                   parameters):
-        return scaler.clip_grad_norm_(inner, max_norm, norm_type, error_if_nonfinite)
+        return scaler.clip_grad_norm_(inner, max_norm, norm_type, error_if_nonfinite,
+                                       sharded=False)
     return fabric.clip_gradients(module, optimizer, max_norm=max_norm, norm_type=norm_type,
                                  error_if_nonfinite=error_if_nonfinite)
 
@@ -103,6 +107,6 @@ def lightning_precision_plugin(device: str = "cuda", scaler: GradScaler | None =
             inner = _inner_optimizer(optimizer)
             if self.scaler._per_optimizer_states[id(inner)]["stage"] is OptState.UNSCALED:
                 return super().clip_grad_by_norm(optimizer, clip_val)  # already unscaled
-            self.scaler.clip_grad_norm_(inner, float(clip_val))
+            self.scaler.clip_grad_norm_(inner, float(clip_val), sharded=False)
 
     return FusedClipMixedPrecision("16-mixed", device, scaler or GradScaler(device))

@@ -1,0 +1,128 @@
+"""The total gradient norm of :meth:`GradScaler.clip_grad_norm_`, formed as torch forms it.
+
+Which grads are parts of one gradient decides how a rank's norms combine with the others':
+
+* plain grads, not sharded (one process, DDP): the local norm, as
+  ``torch.nn.utils.clip_grad_norm_`` (each grad's norm, grouped by device and dtype in order
+  of first appearance, then the norm of the norms);
+* DTensor grads (FSDP2, tensor parallel): each grad's local norm is reduced over the mesh
+  dimensions on which it is not replicated (``x ** p``, all-reduce SUM, ``x ** (1 / p)``; MAX
+  for the inf norm), as torch's ``_NormPartial`` does under DTensor dispatch, then the norm of
+  the norms: a replicated grad is counted once;
+* plain grads that are shards over ``shard_group`` (``clip_grad_norm_(sharded=True)``: FSDP1,
+  ZeRO-style sharding): their local norm's ``p``-th power is summed over the group, as
+  ``FullyShardedDataParallel.clip_grad_norm_`` does (any other grads count once).
+
+:func:`reference_total_norm` is that arithmetic, op for op: bit-identical to torch's (and to
+FSDP1's) for float32 grads. :func:`combine_partials` is the Triton backend's: one sum of
+squares (or max) per launch group, reduced over the same groups.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """One grad's norm: float32 for fp16 / bf16 grads (torch's would be fp16 / bf16)."""
+    if grad.dtype in _HALF:
+        return torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)
+    return torch.linalg.vector_norm(grad, norm_type)
+
+
+def _all_reduce(x: torch.Tensor, groups: tuple[Any, ...], norm_type: float,
+                powered: bool) -> torch.Tensor:
+    """``x`` reduced over each group in turn: MAX for the inf norm; else a SUM of
+    ``x ** p`` followed by ``** (1 / p)`` (``powered``: ``x`` is already a sum of powers)."""
+    import torch.distributed as dist
+
+    for group in groups:
+        if norm_type == math.inf:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+        elif powered:
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        else:
+            x = x**norm_type
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+            x = x ** (1.0 / norm_type)
+    return x
+
+
+def reference_total_norm(entries: list[tuple[torch.Tensor, tuple[Any, ...]]], norm_type: float,
+                         shard_group: Any, device: torch.device) -> torch.Tensor:
+    """Total norm of already unscaled grads, in torch's order and arithmetic (module doc).
+
+    ``entries``: ``(grad, mesh groups)`` in the optimizer's order: the local tensor of a
+    DTensor grad with the groups it is sharded over, ``()`` for a plain grad.
+    ``shard_group``: the plain grads are shards over it (None: they are whole). Every rank
+    must call this (the reductions are collective), also with no grads."""
+    inf = norm_type == math.inf
+    by_key: dict[tuple, list[tuple[torch.Tensor, tuple]]] = {}
+    for grad, groups in entries:
+        by_key.setdefault((grad.device, grad.dtype), []).append((grad, groups))
+    norms: list[torch.Tensor] = []  # per grad, counted once each
+    shards: list[torch.Tensor] = []  # the norms of plain grads sharded over shard_group
+    on_mesh: dict[tuple, list[int]] = {}  # (groups, device, dtype) -> indices into norms
+    for (_, dtype), items in by_key.items():
+        for grad, groups in items:
+            empty = inf and not grad.numel()  # torch's inf norm of no elements is an error
+            if not groups and shard_group is not None:
+                if not empty:  # FSDP1's _get_grad_norm: float32 norms
+                    shards.append(torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32))
+            elif groups:  # a rank with no elements still joins the reduction, with 0
+                norm = grad.new_zeros((), dtype=torch.float32 if dtype in _HALF else dtype) \
+                    if empty else _norm(grad, norm_type)
+                on_mesh.setdefault((groups, norm.device, norm.dtype), []).append(len(norms))
+                norms.append(norm)
+            elif not empty:
+                norms.append(_norm(grad, norm_type))
+    for (groups, _, _), indices in on_mesh.items():  # one reduction per group, elementwise
+        reduced = _all_reduce(torch.stack([norms[i] for i in indices]), groups, norm_type,
+                              powered=False)
+        for k, i in enumerate(indices):
+            norms[i] = reduced[k]
+    wide = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
+    rest = torch.linalg.vector_norm(torch.stack([n.to(device, wide) for n in norms]),
+                                    norm_type) if norms else None
+    if shard_group is None:
+        return rest if rest is not None else torch.zeros((), device=device)
+    # FullyShardedDataParallel.clip_grad_norm_, op for op
+    local = torch.linalg.vector_norm(torch.stack(shards), norm_type, dtype=torch.float32) \
+        .to(device) if shards else torch.zeros((), device=device)
+    if inf:
+        total = torch.maximum(local, rest) if rest is not None else local
+        return _all_reduce(total, (shard_group,), norm_type, powered=True)
+    total = _all_reduce(local**norm_type, (shard_group,), norm_type, powered=True)
+    if rest is not None:
+        total += rest**norm_type
+    return total ** (1.0 / norm_type)
+
+
+def combine_partials(partials: list[tuple[torch.Tensor, tuple[Any, ...]]], norm_type: float,
+                     shard_group: Any, device: torch.device) -> torch.Tensor:
+    """Total norm from each launch group's sum of squares (max ``|x|`` for the inf norm) and
+    the groups it is sharded over (``()``: whole, or a shard over ``shard_group`` when one is
+    given), reduced group by group over the ranks (every rank calls this)."""
+    wide = torch.float64 if any(p.dtype == torch.float64 for p, _ in partials) \
+        else torch.float32
+    by_groups: dict[tuple, list[torch.Tensor]] = {}
+    if shard_group is not None:
+        by_groups[(shard_group,)] = []  # joined even where this rank holds no grad
+    for partial, groups in partials:
+        key = groups or ((shard_group,) if shard_group is not None else ())
+        by_groups.setdefault(key, []).append(partial.to(device, wide))
+    inf = norm_type == math.inf
+    totals = []
+    for groups, items in by_groups.items():
+        stacked = torch.stack(items) if items else torch.zeros(1, dtype=wide, device=device)
+        total = stacked.amax() if inf else stacked.sum()
+        totals.append(_all_reduce(total, groups, norm_type, powered=True) if groups else total)
+    if not totals:
+        return torch.zeros((), dtype=wide, device=device)
+    stacked = torch.stack(totals)
+    return stacked.amax() if inf else stacked.sum().sqrt()
