@@ -209,7 +209,7 @@ def run_buckets(rank, world_size, port, backend, out_dir):
 
 
 def run_clip(rank, world_size, port, backend, out_dir):
-    """clip_grad_norm_ with process_group: each rank holds a different gradient shard; the
+    """clip_grad_norm_(sharded=True): each rank holds a different gradient shard; the
     returned norm is the global one, and every rank clips by it."""
     from triton_scaler import GradScaler
 
@@ -224,7 +224,7 @@ def run_clip(rank, world_size, port, backend, out_dir):
                                 process_group=dist.group.WORLD)
             targets = [torch.randn(p.shape, generator=gen) * (rank + 1) for p in params]
             scaler.scale(sum((p * t).sum() for p, t in zip(params, targets))).backward()
-            total = scaler.clip_grad_norm_(opt, 1.0, norm_type)
+            total = scaler.clip_grad_norm_(opt, 1.0, norm_type, sharded=True)
             results[norm_type] = {"total": total, "targets": targets,
                                   "grads": [p.grad.clone() for p in params]}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -158,6 +158,9 @@ def test_other_norms_and_disabled_scaler_equal_torch(backend):
     (dict(max_norm=1.0, norm_type=0.0), ValueError, "norm_type must be > 0"),
     (dict(max_norm=1.0, norm_type=-2), ValueError, "norm_type must be > 0"),
     (dict(max_norm=1.0, error_if_nonfinite="yes"), TypeError, "error_if_nonfinite must be"),
+    (dict(max_norm=1.0, sharded=1), TypeError, "sharded must be True, False or None; got 1"),
+    (dict(max_norm=1.0, sharded=True), ValueError, "sharded=True sums the norm over the "
+     "scaler's process_group, and this GradScaler has none"),
 ])
 def test_bad_arguments(backend, kwargs, error, match):
     params, opt, scaler = _setup(backend, (5,), torch.float32)
@@ -183,3 +186,29 @@ def test_no_grads_and_fp16_and_error_if_nonfinite(backend):
     params, opt, scaler = _setup(backend, (5,), torch.float32, plant=math.inf)
     with pytest.raises(RuntimeError, match="is non-finite, so it cannot be clipped"):
         scaler.clip_grad_norm_(opt, 1.0, error_if_nonfinite=True)
+
+
+def test_sparse_grads_raise_as_in_torch(backend):
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    opt = torch.optim.SGD(embedding.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", backend=backend)
+    scaler.scale(embedding(torch.tensor([1, 1, 2])).sum()).backward()
+    before = embedding.weight.grad.clone()
+    with pytest.raises(NotImplementedError, match="dense gradients only"):
+        scaler.clip_grad_norm_(opt, 1.0)
+    assert torch.equal(embedding.weight.grad.to_dense(), before.to_dense())
+    scaler.unscale_(opt)  # nothing was recorded: unscale_ may still run
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 3.0])
+def test_other_norm_types_match_unscale_then_clip(backend, norm_type):
+    params, opt, scaler = _setup(backend, (7, 1, 4099), torch.float32)
+    theirs = [torch.nn.Parameter(torch.zeros_like(p)) for p in params]
+    for mine, their in zip(params, theirs):
+        their.grad = mine.grad.clone()
+    torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in theirs], torch.zeros(()),
+                                                     torch.full((), 1 / SCALE))
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 0.5, norm_type)
+    total = scaler.clip_grad_norm_(opt, 0.5, norm_type)
+    assert torch.equal(total, expected)
+    assert_all_same([p.grad for p in params], [p.grad for p in theirs])

@@ -1,0 +1,112 @@
+"""Worker of test_engines.py's clipping tests: one rank of a 2-process gloo group. The fused
+``clip_grad_norm_`` under each engine against torch's route for that engine (``unscale_``,
+then ``torch.nn.utils.clip_grad_norm_`` for FSDP2 and DDP, ``FSDP.clip_grad_norm_`` for FSDP1),
+DTensor grads with mixed placements (tensor parallel), and the ``sharded`` argument's errors."""
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from _engines import OVERFLOW_STEPS, STEPS, _full_params, _init_group, _model, _scaler, _wrap
+
+CLIP_ENGINES = ("fsdp2", "ddp", "fsdp1", "fsdp1_orig_params")
+#: how each engine's plain grads relate across ranks (None: DTensor grads say it themselves)
+SHARDED = {"fsdp2": None, "ddp": False, "fsdp1": True, "fsdp1_orig_params": True}
+MAX_NORM = 0.05  # below the grads' norm: every step clips
+
+
+def _torch_clip(engine, wrapped, scaler, opt, norm_type):
+    scaler.unscale_(opt)
+    if engine.startswith("fsdp1"):
+        return wrapped.clip_grad_norm_(MAX_NORM, norm_type)
+    total = torch.nn.utils.clip_grad_norm_(list(wrapped.parameters()), MAX_NORM, norm_type)
+    return total.full_tensor() if hasattr(total, "full_tensor") else total
+
+
+def train_clipped(engine, kind, backend, norm_type, rank):
+    wrapped, _ = _wrap(engine, _model())
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)  # one optimizer over every param
+    scaler = _scaler(engine, kind, backend)
+    gen = torch.Generator().manual_seed(rank + 1)
+    norms, scales = [], []
+    for step in range(STEPS):
+        loss = wrapped(torch.randn(4, 8, generator=gen)).square().mean()
+        if rank == 1 and step in OVERFLOW_STEPS:
+            loss = loss * math.inf
+        scaler.scale(loss).backward()
+        if kind == "torch":
+            total = _torch_clip(engine, wrapped, scaler, opt, norm_type)
+        else:
+            total = scaler.clip_grad_norm_(opt, MAX_NORM, norm_type, sharded=SHARDED[engine])
+        norms.append(total.detach().float().cpu().reshape(()))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return {"norms": norms, "scales": scales, "params": _full_params(engine, wrapped)}
+
+
+def _mixed_placements(kind, backend, norm_type):
+    """Tensor-parallel-style DTensor grads: sharded ones and replicated ones (a replicated
+    grad's norm counts once). Returns (total norm, full grads after the clip)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from triton_scaler import GradScaler
+
+    mesh = init_device_mesh("cpu", (2,))
+    gen = torch.Generator().manual_seed(0)  # the same full tensors on both ranks
+    fulls = [torch.randn(shape, generator=gen) for shape in ((7, 3), (5,), (4, 6), (3,))]
+    placements = ([Shard(0)], [Replicate()], [Shard(1)], [Replicate()])
+    params = [torch.nn.Parameter(distribute_tensor(f, mesh, p)) for f, p in zip(fulls, placements)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = (torch.amp.GradScaler("cpu", init_scale=4.0) if kind == "torch"
+              else GradScaler("cpu", init_scale=4.0, backend=backend))
+    scaler.scale(sum((p * p).sum() for p in params)).backward()
+    if kind == "torch":
+        scaler.unscale_(opt)
+        total = torch.nn.utils.clip_grad_norm_(params, 1.0, norm_type).full_tensor()
+    else:
+        total = scaler.clip_grad_norm_(opt, 1.0, norm_type)
+    return total, [p.grad.full_tensor() for p in params], fulls
+
+
+def _sharded_errors(backend):
+    """With a process_group and plain grads, ``sharded`` must say whether they are shards."""
+    from triton_scaler import GradScaler
+
+    errors = {}
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.1)
+    for value in (None, "yes"):
+        scaler = GradScaler("cpu", backend=backend, process_group=dist.group.WORLD)
+        scaler.scale(param.sum()).backward()
+        try:
+            scaler.clip_grad_norm_(opt, 1.0, sharded=value)
+        except (TypeError, ValueError) as error:
+            errors[value] = (type(error).__name__, str(error))
+        param.grad = None
+    return errors
+
+
+def run_clip_engines(rank, world_size, port, backend, out_dir):
+    _init_group(rank, world_size, port)
+    try:
+        results = {}
+        for norm_type in (2.0, math.inf):
+            for engine in CLIP_ENGINES:
+                for kind in ("torch", "ours"):
+                    try:
+                        results[engine, norm_type, kind] = train_clipped(engine, kind, backend,
+                                                                         norm_type, rank)
+                    except Exception as error:  # reported by the test, per engine
+                        results[engine, norm_type, kind] = {"error": repr(error)}
+                    dist.barrier()
+            for kind in ("torch", "ours"):
+                results["mixed", norm_type, kind] = _mixed_placements(kind, backend, norm_type)
+        results["errors"] = _sharded_errors(backend)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
+    finally:
+        dist.destroy_process_group()
