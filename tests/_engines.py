@@ -65,8 +65,13 @@ def _full_params(engine, wrapped):
     return [p.detach().clone() for p in wrapped.parameters()]
 
 
-def _scaler(engine, kind, backend):
+def _scaler(engine, kind, backend, **settings):
+    """torch's scaler for the engine (``kind="torch"``; ``"disabled"``: one with
+    ``enabled=False``) or ours, with our extension ``settings``."""
     kwargs = dict(init_scale=2.0**8, growth_interval=2)
+    kwargs.update(settings)  # ours may set growth_interval too
+    if kind == "disabled":
+        return torch.amp.GradScaler("cpu", enabled=False)
     if kind == "torch":
         if engine.startswith("fsdp2"):  # agrees over the mesh through DTensor dispatch
             return torch.amp.GradScaler("cpu", **kwargs)
@@ -79,11 +84,15 @@ def _scaler(engine, kind, backend):
     return GradScaler("cpu", backend=backend, process_group=group, **kwargs)
 
 
-def train(engine, kind, backend, injection, rank):
+def train(engine, kind, backend, injection, rank, settings=None, checkpoint_at=None):
+    """``STEPS`` steps; rank 1 overflows at ``OVERFLOW_STEPS``. ``checkpoint_at``: after that
+    step's update the scaler is replaced by a fresh one loaded from its state_dict. An
+    update that raises ends the run (``raised_at``: its step)."""
+    settings = settings or {}
     wrapped, optimizers = _wrap(engine, _model())
-    scaler = _scaler(engine, kind, backend)
+    scaler = _scaler(engine, kind, backend, **settings)
     gen = torch.Generator().manual_seed(rank + 1)
-    scales, skipped = [], []
+    scales, skipped, raised_at = [], [], None
     watched = optimizers[0].param_groups[0]["params"]  # holds the grad that overflows
     for step in range(STEPS):
         before = [_local(p.detach()).clone() for p in watched]
@@ -98,14 +107,23 @@ def train(engine, kind, backend, injection, rank):
             grad.view(-1)[-1] = math.inf
         for opt in optimizers:
             scaler.step(opt)
-        scaler.update()
+        try:
+            scaler.update()
+        except RuntimeError as error:  # MinScaleReachedError
+            raised_at = (step, type(error).__name__)
+            break
         for opt in optimizers:
             opt.zero_grad()
         after = [_local(p.detach()) for p in watched]
         if all(torch.equal(a, b) for a, b in zip(before, after)):
             skipped.append(step)
         scales.append(scaler.get_scale())
-    return {"scales": scales, "skipped": skipped, "params": _full_params(engine, wrapped)}
+        if step == checkpoint_at:
+            state = scaler.state_dict()
+            scaler = _scaler(engine, kind, backend, **settings)
+            scaler.load_state_dict(state)
+    return {"scales": scales, "skipped": skipped, "params": _full_params(engine, wrapped),
+            "raised_at": raised_at}
 
 
 def _init_group(rank, world_size, port):

@@ -1,0 +1,50 @@
+"""Worker of test_engines_features.py: one rank of a 2-process gloo group that trains under
+each engine with triton_scaler's extension settings, torch's scaler (the parameters' oracle
+while the same steps are skipped) and a disabled scaler (the oracle of a run that never
+skips)."""
+
+import os
+
+import torch
+import torch.distributed as dist
+from _engines import _init_group, train
+
+FEATURE_ENGINES = ("fsdp2", "fsdp2_fused", "ddp", "fsdp1")
+
+#: name -> (our extension settings, step after which the scaler is checkpointed, or None)
+FEATURES = {
+    "hysteresis": (dict(hysteresis=2, min_scale=1.0), None),  # Megatron-core
+    "consecutive_hysteresis": (dict(hysteresis=2, consecutive_hysteresis=True), None),
+    "min_max_scale": (dict(min_scale=128.0, max_scale=512.0), None),  # apex
+    "static": (dict(dynamic=False), None),
+    "no_skip": (dict(skip_on_overflow=False), None),
+    "raise_at_min_scale": (dict(min_scale=2.0**8, max_scale=2.0**8, raise_at_min_scale=True),
+                           None),
+    "checkpoint": ({}, 3),  # state_dict into a fresh scaler mid-run
+    # the tracker at 1 when saved: the next overflow (step 5, before any growth) backs off
+    "checkpoint_hysteresis": (dict(hysteresis=2, growth_interval=4), 2),
+}
+
+
+def run_features(rank, world_size, port, backend, out_dir):
+    _init_group(rank, world_size, port)
+    try:
+        results = {}
+        for engine in FEATURE_ENGINES:
+            runs = [("torch", "torch", {}, None), ("disabled", "disabled", {}, None)]
+            runs += [(name, "ours", settings, at) for name, (settings, at) in FEATURES.items()]
+            for name, kind, settings, checkpoint_at in runs:
+                # overflows in rank 1's own grad (only agreement skips the step); a run that
+                # steps on overflows (no_skip, its oracle) overflows in the loss, which every
+                # engine spreads over every parameter (a grad's inf may land in FSDP1's padding)
+                injection = "loss" if name in ("no_skip", "disabled") else "grad"
+                try:
+                    results[engine, name] = train(engine, kind, backend, injection, rank,
+                                                  settings, checkpoint_at)
+                except Exception as error:  # reported by the test, per engine and feature
+                    results[engine, name] = {"error": repr(error)}
+                dist.barrier()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
+    finally:
+        dist.destroy_process_group()
