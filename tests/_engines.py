@@ -226,6 +226,10 @@ def run_buckets(rank, world_size, port, backend, out_dir):
         dist.destroy_process_group()
 
 
+#: (norm_type, scaler enabled): fused norms, another p (unscale_ + clip), a disabled scaler
+CLIP_CASES = ((2.0, True), (math.inf, True), (3.0, True), (2.0, False))
+
+
 def run_clip(rank, world_size, port, backend, out_dir):
     """clip_grad_norm_(sharded=True): each rank holds a different gradient shard; the
     returned norm is the global one, and every rank clips by it."""
@@ -234,17 +238,17 @@ def run_clip(rank, world_size, port, backend, out_dir):
     _init_group(rank, world_size, port)
     try:
         results = {}
-        for norm_type in (2.0, math.inf):
+        for norm_type, enabled in CLIP_CASES:
             gen = torch.Generator().manual_seed(rank + 10)
             params = [torch.nn.Parameter(torch.zeros(n)) for n in (5 + rank, 1000 * (rank + 1))]
             opt = torch.optim.SGD(params, lr=0.1)
-            scaler = GradScaler("cpu", init_scale=4.0, backend=backend,
+            scaler = GradScaler("cpu", init_scale=4.0, backend=backend, enabled=enabled,
                                 process_group=dist.group.WORLD)
             targets = [torch.randn(p.shape, generator=gen) * (rank + 1) for p in params]
             scaler.scale(sum((p * t).sum() for p, t in zip(params, targets))).backward()
             total = scaler.clip_grad_norm_(opt, 1.0, norm_type, sharded=True)
-            results[norm_type] = {"total": total, "targets": targets,
-                                  "grads": [p.grad.clone() for p in params]}
+            results[norm_type, enabled] = {"total": total, "targets": targets,
+                                           "grads": [p.grad.clone() for p in params]}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:

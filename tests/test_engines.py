@@ -12,7 +12,17 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from _engines import ENGINES, INJECTIONS, OVERFLOW_STEPS, free_port, run, run_buckets, run_clip, spawn_bounded
+from _engines import (
+    CLIP_CASES,
+    ENGINES,
+    INJECTIONS,
+    OVERFLOW_STEPS,
+    free_port,
+    run,
+    run_buckets,
+    run_clip,
+    spawn_bounded,
+)
 from _engines_clip import CLIP_ENGINES, run_clip_engines
 
 from triton_scaler import ops
@@ -78,15 +88,15 @@ def test_other_tensor_subclasses_are_refused_by_the_triton_backend():
 def test_clip_grad_norm_is_global_with_a_process_group(backend, tmp_path):
     spawn_bounded(run_clip, (2, free_port(), backend, str(tmp_path)), timeout_s=180)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
-    for norm_type in (2.0, math.inf):
-        every = torch.cat([t.double().reshape(-1) for r in ranks for t in r[norm_type]["targets"]])
-        expected = torch.linalg.vector_norm(every, norm_type).item()
-        totals = [r[norm_type]["total"] for r in ranks]
+    for case in CLIP_CASES:
+        every = torch.cat([t.double().reshape(-1) for r in ranks for t in r[case]["targets"]])
+        expected = torch.linalg.vector_norm(every, case[0]).item()
+        totals = [r[case]["total"] for r in ranks]
         assert torch.equal(totals[0], totals[1])
-        assert abs(totals[0].item() - expected) <= 1e-5 * expected
+        assert abs(totals[0].item() - expected) <= 1e-5 * expected, case
         coef = torch.clamp(1.0 / (totals[0] + 1e-6), max=1.0)
         for r in ranks:
-            for grad, target in zip(r[norm_type]["grads"], r[norm_type]["targets"]):
+            for grad, target in zip(r[case]["grads"], r[case]["targets"]):
                 assert torch.equal(grad, target * coef)  # targets * 4 / 4 is exact
 
 
