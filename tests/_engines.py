@@ -141,16 +141,33 @@ def run(rank, world_size, port, backend, engines, out_dir):
         for engine in engines:
             for injection in INJECTIONS:
                 for kind in ("torch", "ours"):
-                    try:
-                        results[engine, injection, kind] = train(engine, kind, backend,
-                                                                 injection, rank)
-                    except Exception as error:  # reported by the test, per engine
-                        results[engine, injection, kind] = {"error": repr(error)}
-                    dist.barrier()
+                    attempt(results, (engine, injection, kind), train, engine, kind, backend,
+                            injection, rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
     finally:
         dist.destroy_process_group()
+
+
+def attempt(results: dict, key, fn, *args) -> None:
+    """``results[key] = fn(*args)``, or ``{"error": ...}`` when it raises (the test reports it,
+    per case, and the other cases still run); then a barrier, so both ranks start the next
+    case together."""
+    try:
+        results[key] = fn(*args)
+    except Exception as error:
+        results[key] = {"error": repr(error)}
+    dist.barrier()
+
+
+def spawned_results(cache: dict, name: str, fn, tmp_path_factory, *args, timeout_s=300):
+    """Both ranks' saved results of one spawn of ``fn(rank, 2, port, *args, out_dir)``,
+    cached under ``name``: one spawn (seconds) serves every test that reads it."""
+    if name not in cache:
+        out = tmp_path_factory.mktemp(name)
+        spawn_bounded(fn, (2, free_port(), *args, str(out)), timeout_s=timeout_s)
+        cache[name] = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    return cache[name]
 
 
 def free_port() -> int:

@@ -8,7 +8,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from _engines import OVERFLOW_STEPS, STEPS, _full_params, _init_group, _model, _scaler, _wrap
+from _engines import OVERFLOW_STEPS, STEPS, _full_params, _init_group, _model, _scaler, _wrap, attempt
 
 CLIP_ENGINES = ("fsdp2", "ddp", "fsdp1", "fsdp1_orig_params")
 #: how each engine's plain grads relate across ranks (None: DTensor grads say it themselves)
@@ -97,12 +97,8 @@ def run_clip_engines(rank, world_size, port, backend, out_dir):
         for norm_type in (2.0, math.inf):
             for engine in CLIP_ENGINES:
                 for kind in ("torch", "ours"):
-                    try:
-                        results[engine, norm_type, kind] = train_clipped(engine, kind, backend,
-                                                                         norm_type, rank)
-                    except Exception as error:  # reported by the test, per engine
-                        results[engine, norm_type, kind] = {"error": repr(error)}
-                    dist.barrier()
+                    attempt(results, (engine, norm_type, kind), train_clipped, engine, kind,
+                            backend, norm_type, rank)
             for kind in ("torch", "ours"):
                 results["mixed", norm_type, kind] = _mixed_placements(kind, backend, norm_type)
         results["errors"] = _sharded_errors(backend)

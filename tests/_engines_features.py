@@ -7,7 +7,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from _engines import _init_group, train
+from _engines import _init_group, attempt, train
 
 FEATURE_ENGINES = ("fsdp2", "fsdp2_fused", "ddp", "fsdp1")
 
@@ -38,12 +38,8 @@ def run_features(rank, world_size, port, backend, out_dir):
                 # steps on overflows (no_skip, its oracle) overflows in the loss, which every
                 # engine spreads over every parameter (a grad's inf may land in FSDP1's padding)
                 injection = "loss" if name in ("no_skip", "disabled") else "grad"
-                try:
-                    results[engine, name] = train(engine, kind, backend, injection, rank,
-                                                  settings, checkpoint_at)
-                except Exception as error:  # reported by the test, per engine and feature
-                    results[engine, name] = {"error": repr(error)}
-                dist.barrier()
+                attempt(results, (engine, name), train, engine, kind, backend, injection, rank,
+                        settings, checkpoint_at)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
     finally:

@@ -22,6 +22,7 @@ from _engines import (
     run_buckets,
     run_clip,
     spawn_bounded,
+    spawned_results,
 )
 from _engines_clip import CLIP_ENGINES, run_clip_engines
 
@@ -35,12 +36,9 @@ _results: dict = {}
 
 
 def _engine_results(backend, tmp_path_factory):
-    """One spawn per backend runs every engine (spawning costs seconds); cached."""
-    if backend not in _results:
-        out = tmp_path_factory.mktemp(f"engines-{backend}")
-        spawn_bounded(run, (2, free_port(), backend, ENGINES, str(out)), timeout_s=300)
-        _results[backend] = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
-    return _results[backend]
+    """One spawn per backend runs every engine."""
+    return spawned_results(_results, f"engines-{backend}", run, tmp_path_factory, backend,
+                           ENGINES)
 
 
 @pytest.mark.parametrize("injection", INJECTIONS)
@@ -100,15 +98,10 @@ def test_clip_grad_norm_is_global_with_a_process_group(backend, tmp_path):
                 assert torch.equal(grad, target * coef)  # targets * 4 / 4 is exact
 
 
-_clip_results: dict = {}
-
-
 def _clip_engine_results(backend, tmp_path_factory):
-    if backend not in _clip_results:
-        out = tmp_path_factory.mktemp(f"clip-{backend}")
-        spawn_bounded(run_clip_engines, (2, free_port(), backend, str(out)), timeout_s=300)
-        _clip_results[backend] = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
-    return _clip_results[backend]
+    """One spawn per backend runs every engine's clip."""
+    return spawned_results(_results, f"clip-{backend}", run_clip_engines, tmp_path_factory,
+                           backend)
 
 
 def _same_norm(ours, theirs, exact):

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from _engines import OVERFLOW_STEPS, STEPS, free_port, spawn_bounded
+from _engines import OVERFLOW_STEPS, STEPS, spawned_results
 from _engines_features import FEATURE_ENGINES, FEATURES, run_features
 from _peers import ApexLossScaler, MegatronDynamicGradScaler
 from _util import assert_all_same
@@ -31,12 +31,9 @@ _results: dict = {}
 
 
 def _feature_results(backend, tmp_path_factory):
-    """One spawn per backend runs every engine and feature (spawning costs seconds)."""
-    if backend not in _results:
-        out = tmp_path_factory.mktemp(f"features-{backend}")
-        spawn_bounded(run_features, (2, free_port(), backend, str(out)), timeout_s=300)
-        _results[backend] = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
-    return _results[backend]
+    """One spawn per backend runs every engine and feature."""
+    return spawned_results(_results, f"features-{backend}", run_features, tmp_path_factory,
+                           backend)
 
 
 def _one_process(settings, overflow_steps=OVERFLOW_STEPS):
