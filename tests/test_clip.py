@@ -212,3 +212,29 @@ def test_other_norm_types_match_unscale_then_clip(backend, norm_type):
     total = scaler.clip_grad_norm_(opt, 0.5, norm_type)
     assert torch.equal(total, expected)
     assert_all_same([p.grad for p in params], [p.grad for p in theirs])
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+@pytest.mark.parametrize("plant", [math.inf, 1e38])  # an overflow; a finite grad, inf norm
+def test_error_if_nonfinite_leaves_the_grads_as_torch_does(backend, plant, buckets):
+    """torch's route raises after unscale_ and before clipping: the grads stay unscaled and
+    unclipped, and step goes on (skipping on an overflow)."""
+    params, opt, scaler = _setup(backend, (7, 4099), torch.float32, buckets=buckets,
+                                 plant=plant)  # 1e38 / SCALE is finite, its square is not
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for mine, their in zip(params, theirs):
+        their.grad = mine.grad.clone()
+    their_opt = torch.optim.SGD(theirs, lr=0.1)
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    torch_scaler.scale(torch.ones(()))
+    torch_scaler.unscale_(their_opt)
+    with pytest.raises(RuntimeError, match="is non-finite, so it cannot be clipped"):
+        torch.nn.utils.clip_grad_norm_(theirs, 1.0, error_if_nonfinite=True)
+    with pytest.raises(RuntimeError, match="is non-finite, so it cannot be clipped"):
+        scaler.clip_grad_norm_(opt, 1.0, error_if_nonfinite=True)
+    assert_all_same([p.grad for p in params], [p.grad for p in theirs])
+    for s, o in ((scaler, opt), (torch_scaler, their_opt)):
+        s.step(o)
+        s.update()
+    assert_all_same([p.detach() for p in params], [p.detach() for p in theirs])
+    assert scaler.get_scale() == torch_scaler.get_scale()

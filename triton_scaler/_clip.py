@@ -92,15 +92,24 @@ def _apply_coef(group, found_inf, scale, coef, write_pass: bool) -> None:
 
 
 def _clip_unscaled(params, max_norm: float, norm_type: float, shard_group: Any,
-                   device: torch.device) -> torch.Tensor:
+                   device: torch.device, error_if_nonfinite: bool) -> torch.Tensor:
     """Clip grads that are not scaled (a disabled scaler, or after ``unscale_``) by the total
     norm of :func:`reference_total_norm`: any ``p``, plain grads sharded over ``shard_group``."""
     total = reference_total_norm(_norm_entries(params), norm_type, shard_group, device).float()
+    if error_if_nonfinite and not bool(total.isfinite().item()):  # the documented read
+        _raise_nonfinite(norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for entry, _ in _norm_entries(params):
             entry.mul_(coef.to(entry.device))
     return total
+
+
+def _raise_nonfinite(norm_type: float) -> None:
+    raise RuntimeError(
+        f"The total norm of order {norm_type} for gradients from `parameters` is "
+        "non-finite, so it cannot be clipped. To disable this error and scale the "
+        "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
 
 
 class ClipMixin:
@@ -138,12 +147,13 @@ class ClipMixin:
             raise NotImplementedError(
                 "clip_grad_norm_ takes dense gradients only; a parameter has a sparse one "
                 "(torch.nn.utils.clip_grad_norm_ does not take them either)")
-        if not self._enabled:
-            if shard_group is not None:
-                device = params[0].grad.device if params else torch.device("cpu")
-                return _clip_unscaled(params, max_norm, norm_type, shard_group, device)
+        if not self._enabled and shard_group is None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                                   error_if_nonfinite).float()
+        if not self._enabled:
+            device = params[0].grad.device if params else torch.device("cpu")
+            return _clip_unscaled(params, max_norm, norm_type, shard_group, device,
+                                  error_if_nonfinite)
         if norm_type not in (2.0, math.inf) or (not params and shard_group is None):
             self.unscale_(optimizer)  # no grads: as torch, unscale_ records none, norm 0
             device = self._scale.device
@@ -151,20 +161,18 @@ class ClipMixin:
                 total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                                        error_if_nonfinite)
                 return total.float().to(device)
-            total = _clip_unscaled(params, max_norm, norm_type, shard_group, device)
-        else:
-            state = self._ready_to_unscale(optimizer, "unscale_")  # torch's unscale_ errors
-            total, found_per_device = self._fused_clip(optimizer, max_norm, norm_type,
-                                                       self._found_inf_flag(state), shard_group)
-            state["found_inf_per_device"] = found_per_device
-            state["stage"] = OptState.UNSCALED
-            if found_per_device:  # none when no grad remained (GradBuckets: none received)
-                self._agree_found_inf(state, start_host_copy=True)
-        if error_if_nonfinite and not bool(total.isfinite().item()):  # the documented read
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is "
-                "non-finite, so it cannot be clipped. To disable this error and scale the "
-                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+            return _clip_unscaled(params, max_norm, norm_type, shard_group, device,
+                                  error_if_nonfinite)
+        state = self._ready_to_unscale(optimizer, "unscale_")  # torch's unscale_ errors
+        total, found_per_device, nonfinite = self._fused_clip(
+            optimizer, max_norm, norm_type, self._found_inf_flag(state), shard_group,
+            error_if_nonfinite)
+        state["found_inf_per_device"] = found_per_device
+        state["stage"] = OptState.UNSCALED
+        if found_per_device:  # none when no grad remained (GradBuckets: none received)
+            self._agree_found_inf(state, start_host_copy=True)
+        if nonfinite:  # as torch: unscaled (recorded as unscale_), not clipped
+            _raise_nonfinite(norm_type)
         return total
 
     def _shard_group(self, params: list, sharded: bool | None) -> Any:
@@ -187,7 +195,7 @@ class ClipMixin:
         return group if sharded else None
 
     def _fused_clip(self, optimizer, max_norm: float, norm_type: float, found_inf,
-                    shard_group: Any):
+                    shard_group: Any, error_if_nonfinite: bool):
         device = self._scale.device
         found_for = PerDevice(found_inf)
         scale_for = PerDevice(self._scale)
@@ -212,7 +220,11 @@ class ClipMixin:
             if not groups and self._process_group is not None:
                 found_for.get(device)  # no grads here: join the agreement with 0
             total = total.float()
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            # error_if_nonfinite: one read; a non-finite norm unscales only, as torch raises
+            # after unscale_ and before the clip
+            nonfinite = error_if_nonfinite and not bool(total.isfinite().item())
+            coef = torch.ones_like(total) if nonfinite else \
+                torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for group, write_pass in zip(groups, on_triton):
                 dev = group.device
                 _apply_coef(group, found_for.get(dev), scale_for.get(dev), coef.to(dev),
@@ -221,4 +233,4 @@ class ClipMixin:
                 bucket.buffer_rewritten()
             if mesh_groups:
                 agree_over_meshes(found_for._per_device_tensors, mesh_groups)
-        return total, found_for._per_device_tensors
+        return total, found_for._per_device_tensors, nonfinite
