@@ -21,7 +21,7 @@ from . import reference
 from ._backend import resolve_backend
 from ._distributed import agree_over_meshes, local_grad
 from ._grads import PerDevice, grad_groups
-from ._norms import combine_partials, reference_total_norm
+from ._norms import combine_partials, grad_norm, reference_total_norm
 from .buckets import buckets_of
 
 
@@ -65,16 +65,11 @@ def _group_partial(group, found_inf, scale, norm_type: float, backend: str) -> t
         return launch_unscale(group.launch_target(), found_inf, scale, write=False,
                               norm=2 if norm_type == 2.0 else -1, inv_from_scale=True)
     reference.non_finite_check_and_unscale_(group.grads, found_inf, reference.inv_scale_of(scale))
-    norms = [_norm_of(g, norm_type) for g in group.grads if g.numel() or norm_type == 2.0]
+    norms = [grad_norm(g, norm_type) for g in group.grads if g.numel() or norm_type == 2.0]
     if not norms:
         return torch.zeros((), device=found_inf.device)
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     return total if norm_type == math.inf else total.square()
-
-
-def _norm_of(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
-    wide = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    return torch.linalg.vector_norm(grad, norm_type, dtype=wide)
 
 
 def _apply_coef(group, found_inf, scale, coef, write_pass: bool) -> None:
@@ -95,13 +90,14 @@ def _clip_unscaled(params, max_norm: float, norm_type: float, shard_group: Any,
                    device: torch.device, error_if_nonfinite: bool) -> torch.Tensor:
     """Clip grads that are not scaled (a disabled scaler, or after ``unscale_``) by the total
     norm of :func:`reference_total_norm`: any ``p``, plain grads sharded over ``shard_group``."""
-    total = reference_total_norm(_norm_entries(params), norm_type, shard_group, device).float()
+    entries = _norm_entries(params)
+    total = reference_total_norm(entries, norm_type, shard_group, device).float()
     if error_if_nonfinite and not bool(total.isfinite().item()):  # the documented read
         _raise_nonfinite(norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
-        for entry, _ in _norm_entries(params):
-            entry.mul_(coef.to(entry.device))
+        for grad, _ in entries:
+            grad.mul_(coef.to(grad.device))
     return total
 
 

@@ -28,7 +28,7 @@ import torch
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+def grad_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
     """One grad's norm: float32 for fp16 / bf16 grads (torch's would be fp16 / bf16)."""
     if grad.dtype in _HALF:
         return torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)
@@ -76,11 +76,11 @@ def reference_total_norm(entries: list[tuple[torch.Tensor, tuple[Any, ...]]], no
                     shards.append(torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32))
             elif groups:  # a rank with no elements still joins the reduction, with 0
                 norm = grad.new_zeros((), dtype=torch.float32 if dtype in _HALF else dtype) \
-                    if empty else _norm(grad, norm_type)
+                    if empty else grad_norm(grad, norm_type)
                 on_mesh.setdefault((groups, norm.device, norm.dtype), []).append(len(norms))
                 norms.append(norm)
             elif not empty:
-                norms.append(_norm(grad, norm_type))
+                norms.append(grad_norm(grad, norm_type))
     for (groups, _, _), indices in on_mesh.items():  # one reduction per group, elementwise
         reduced = _all_reduce(torch.stack([norms[i] for i in indices]), groups, norm_type,
                               powered=False)
