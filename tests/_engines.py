@@ -1,5 +1,6 @@
-"""Worker of test_engines.py: one rank of a 2-process gloo group that trains the same model
-under torch's distributed engines (FSDP2, DDP, FSDP1) with torch's scaler and with ours."""
+"""Worker of test_engines.py: one rank of a 2-process gloo group (4 for the 2-D meshes,
+tests/_engines_mesh.py) that trains the same model under torch's distributed engines (FSDP2,
+DDP, FSDP1) with torch's scaler and with ours."""
 
 import datetime
 import faulthandler
@@ -14,6 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ENGINES = ("fsdp2", "fsdp2_fused", "ddp", "ddp_bucket_view", "fsdp1", "fsdp1_orig_params")
+#: FSDP2 on a 2-D mesh of 4 ranks: HSDP (replicate x shard) and tensor parallel x FSDP2
+MESH_ENGINES = ("fsdp2_hsdp", "fsdp2_tp")
 INJECTIONS = ("loss", "grad")  # inf in rank 1's loss (spread by the engine) / in its own grad
 OVERFLOW_STEPS = (2, 5)
 STEPS = 8
@@ -27,7 +30,10 @@ def _model():
 def _wrap(engine, model):
     """The wrapped model and the optimizers (fsdp1_orig_params: a second optimizer over
     parameters of which rank 0 holds no elements)."""
-    if engine.startswith("fsdp2"):
+    if engine in MESH_ENGINES:
+        _wrap_2d(engine, model)
+        wrapped = model
+    elif engine.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -47,6 +53,44 @@ def _wrap(engine, model):
     groups = [params[:1], params[1:]] if engine == "fsdp1_orig_params" else [params]
     return wrapped, [torch.optim.AdamW(g, lr=1e-2, fused=engine == "fsdp2_fused")
                      for g in groups]
+
+
+def _wrap_2d(engine, model):
+    """Ranks [[0, 1], [2, 3]]. HSDP: rows replicate, columns shard. Tensor parallel: rows are
+    the data-parallel replicas (FSDP2 over them), columns split the layers (Megatron-style
+    column-wise then row-wise linear)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if engine == "fsdp2_hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        full = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, full["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        mesh = full["dp"]
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def data_rank(engine, rank):
+    """The rank's data-parallel replica (its batch's seed): tensor-parallel peers share it."""
+    return rank // 2 if engine == "fsdp2_tp" else rank
+
+
+def overflowing_ranks(engine, injection):
+    """The ranks whose loss or own grad overflows. Realistic ones: HSDP's replicas hold equal
+    grads (an overflow in a shard shows on both); tensor-parallel peers share one loss."""
+    if engine == "fsdp2_hsdp" and injection == "grad":
+        return (1, 3)  # the same shard, on both replicas
+    if engine == "fsdp2_tp":
+        return (3,) if injection == "grad" else (2, 3)  # a grad shard / a replica's loss
+    return (1,)
 
 
 def _local(grad):
@@ -91,13 +135,13 @@ def train(engine, kind, backend, injection, rank, settings=None, checkpoint_at=N
     settings = settings or {}
     wrapped, optimizers = _wrap(engine, _model())
     scaler = _scaler(engine, kind, backend, **settings)
-    gen = torch.Generator().manual_seed(rank + 1)
+    gen = torch.Generator().manual_seed(data_rank(engine, rank) + 1)
     scales, skipped, raised_at = [], [], None
     watched = optimizers[0].param_groups[0]["params"]  # holds the grad that overflows
     for step in range(STEPS):
         before = [_local(p.detach()).clone() for p in watched]
         loss = wrapped(torch.randn(4, 8, generator=gen)).square().mean()
-        overflow = rank == 1 and step in OVERFLOW_STEPS
+        overflow = rank in overflowing_ranks(engine, injection) and step in OVERFLOW_STEPS
         if overflow and injection == "loss":
             loss = loss * math.inf
         scaler.scale(loss).backward()
@@ -160,13 +204,15 @@ def attempt(results: dict, key, fn, *args) -> None:
     dist.barrier()
 
 
-def spawned_results(cache: dict, name: str, fn, tmp_path_factory, *args, timeout_s=300):
-    """Both ranks' saved results of one spawn of ``fn(rank, 2, port, *args, out_dir)``,
-    cached under ``name``: one spawn (seconds) serves every test that reads it."""
+def spawned_results(cache: dict, name: str, fn, tmp_path_factory, *args, timeout_s=300,
+                    world_size=2):
+    """Every rank's saved results of one spawn of ``fn(rank, world_size, port, *args,
+    out_dir)``, cached under ``name``: one spawn (seconds) serves every test that reads it."""
     if name not in cache:
         out = tmp_path_factory.mktemp(name)
-        spawn_bounded(fn, (2, free_port(), *args, str(out)), timeout_s=timeout_s)
-        cache[name] = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+        spawn_bounded(fn, (world_size, free_port(), *args, str(out)), nprocs=world_size,
+                      timeout_s=timeout_s)
+        cache[name] = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
     return cache[name]
 
 
@@ -237,35 +283,6 @@ def run_buckets(rank, world_size, port, backend, out_dir):
             finals.append(([p.detach().clone() for p in ddp.parameters()], scaler.get_scale()))
         results["ddp_buckets_equal"] = finals[0][1] == finals[1][1] and all(
             torch.equal(a, b) for a, b in zip(finals[0][0], finals[1][0]))
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-#: (norm_type, scaler enabled): fused norms, another p (unscale_ + clip), a disabled scaler
-CLIP_CASES = ((2.0, True), (math.inf, True), (3.0, True), (2.0, False))
-
-
-def run_clip(rank, world_size, port, backend, out_dir):
-    """clip_grad_norm_(sharded=True): each rank holds a different gradient shard; the
-    returned norm is the global one, and every rank clips by it."""
-    from triton_scaler import GradScaler
-
-    _init_group(rank, world_size, port)
-    try:
-        results = {}
-        for norm_type, enabled in CLIP_CASES:
-            gen = torch.Generator().manual_seed(rank + 10)
-            params = [torch.nn.Parameter(torch.zeros(n)) for n in (5 + rank, 1000 * (rank + 1))]
-            opt = torch.optim.SGD(params, lr=0.1)
-            scaler = GradScaler("cpu", init_scale=4.0, backend=backend, enabled=enabled,
-                                process_group=dist.group.WORLD)
-            targets = [torch.randn(p.shape, generator=gen) * (rank + 1) for p in params]
-            scaler.scale(sum((p * t).sum() for p, t in zip(params, targets))).backward()
-            total = scaler.clip_grad_norm_(opt, 1.0, norm_type, sharded=True)
-            results[norm_type, enabled] = {"total": total, "targets": targets,
-                                           "grads": [p.grad.clone() for p in params]}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:

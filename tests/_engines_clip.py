@@ -8,11 +8,23 @@ import os
 
 import torch
 import torch.distributed as dist
-from _engines import OVERFLOW_STEPS, STEPS, _full_params, _init_group, _model, _scaler, _wrap, attempt
+from _engines import (
+    OVERFLOW_STEPS,
+    STEPS,
+    _full_params,
+    _init_group,
+    _model,
+    _scaler,
+    _wrap,
+    attempt,
+    data_rank,
+    overflowing_ranks,
+)
 
 CLIP_ENGINES = ("fsdp2", "ddp", "fsdp1", "fsdp1_orig_params")
 #: how each engine's plain grads relate across ranks (None: DTensor grads say it themselves)
-SHARDED = {"fsdp2": None, "ddp": False, "fsdp1": True, "fsdp1_orig_params": True}
+SHARDED = {"fsdp2": None, "ddp": False, "fsdp1": True, "fsdp1_orig_params": True,
+           "fsdp2_hsdp": None, "fsdp2_tp": None}
 MAX_NORM = 0.05  # below the grads' norm: every step clips
 
 
@@ -28,11 +40,11 @@ def train_clipped(engine, kind, backend, norm_type, rank):
     wrapped, _ = _wrap(engine, _model())
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)  # one optimizer over every param
     scaler = _scaler(engine, kind, backend)
-    gen = torch.Generator().manual_seed(rank + 1)
+    gen = torch.Generator().manual_seed(data_rank(engine, rank) + 1)
     norms, scales = [], []
     for step in range(STEPS):
         loss = wrapped(torch.randn(4, 8, generator=gen)).square().mean()
-        if rank == 1 and step in OVERFLOW_STEPS:
+        if rank in overflowing_ranks(engine, "loss") and step in OVERFLOW_STEPS:
             loss = loss * math.inf
         scaler.scale(loss).backward()
         if kind == "torch":
@@ -47,18 +59,23 @@ def train_clipped(engine, kind, backend, norm_type, rank):
     return {"norms": norms, "scales": scales, "params": _full_params(engine, wrapped)}
 
 
-def _mixed_placements(kind, backend, norm_type):
-    """Tensor-parallel-style DTensor grads: sharded ones and replicated ones (a replicated
-    grad's norm counts once). Returns (total norm, full grads after the clip)."""
+def mixed_placements(kind, backend, norm_type, mesh_shape=(2,)):
+    """DTensor grads with different placements (tensor parallel style: sharded and replicated
+    ones, on a 1-D or a 2-D mesh; a replicated grad's norm counts once). Returns (total norm,
+    full grads after the clip, the full tensors)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from triton_scaler import GradScaler
 
-    mesh = init_device_mesh("cpu", (2,))
-    gen = torch.Generator().manual_seed(0)  # the same full tensors on both ranks
+    mesh = init_device_mesh("cpu", mesh_shape)
+    gen = torch.Generator().manual_seed(0)  # the same full tensors on every rank
     fulls = [torch.randn(shape, generator=gen) for shape in ((7, 3), (5,), (4, 6), (3,))]
-    placements = ([Shard(0)], [Replicate()], [Shard(1)], [Replicate()])
+    if len(mesh_shape) == 1:
+        placements = ([Shard(0)], [Replicate()], [Shard(1)], [Replicate()])
+    else:  # replicated on one dimension, on the other, on both, and sharded on both
+        placements = ([Replicate(), Shard(0)], [Shard(0), Replicate()],
+                      [Replicate(), Replicate()], [Shard(0), Shard(0)])
     params = [torch.nn.Parameter(distribute_tensor(f, mesh, p)) for f, p in zip(fulls, placements)]
     opt = torch.optim.SGD(params, lr=0.1)
     scaler = (torch.amp.GradScaler("cpu", init_scale=4.0) if kind == "torch"
@@ -100,9 +117,38 @@ def run_clip_engines(rank, world_size, port, backend, out_dir):
                     attempt(results, (engine, norm_type, kind), train_clipped, engine, kind,
                             backend, norm_type, rank)
             for kind in ("torch", "ours"):
-                results["mixed", norm_type, kind] = _mixed_placements(kind, backend, norm_type)
+                results["mixed", norm_type, kind] = mixed_placements(kind, backend, norm_type)
         results["errors"] = _sharded_errors(backend)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
+    finally:
+        dist.destroy_process_group()
+
+
+#: (norm_type, scaler enabled): fused norms, another p (unscale_ + clip), a disabled scaler
+CLIP_CASES = ((2.0, True), (math.inf, True), (3.0, True), (2.0, False))
+
+
+def run_clip(rank, world_size, port, backend, out_dir):
+    """clip_grad_norm_(sharded=True): each rank holds a different gradient shard; the
+    returned norm is the global one, and every rank clips by it."""
+    from triton_scaler import GradScaler
+
+    _init_group(rank, world_size, port)
+    try:
+        results = {}
+        for norm_type, enabled in CLIP_CASES:
+            gen = torch.Generator().manual_seed(rank + 10)
+            params = [torch.nn.Parameter(torch.zeros(n)) for n in (5 + rank, 1000 * (rank + 1))]
+            opt = torch.optim.SGD(params, lr=0.1)
+            scaler = GradScaler("cpu", init_scale=4.0, backend=backend, enabled=enabled,
+                                process_group=dist.group.WORLD)
+            targets = [torch.randn(p.shape, generator=gen) * (rank + 1) for p in params]
+            scaler.scale(sum((p * t).sum() for p, t in zip(params, targets))).backward()
+            total = scaler.clip_grad_norm_(opt, 1.0, norm_type, sharded=True)
+            results[norm_type, enabled] = {"total": total, "targets": targets,
+                                           "grads": [p.grad.clone() for p in params]}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
     finally:
         dist.destroy_process_group()

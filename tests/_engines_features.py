@@ -31,16 +31,21 @@ def run_features(rank, world_size, port, backend, out_dir):
     try:
         results = {}
         for engine in FEATURE_ENGINES:
-            runs = [("torch", "torch", {}, None), ("disabled", "disabled", {}, None)]
-            runs += [(name, "ours", settings, at) for name, (settings, at) in FEATURES.items()]
-            for name, kind, settings, checkpoint_at in runs:
-                # overflows in rank 1's own grad (only agreement skips the step); a run that
-                # steps on overflows (no_skip, its oracle) overflows in the loss, which every
-                # engine spreads over every parameter (a grad's inf may land in FSDP1's padding)
-                injection = "loss" if name in ("no_skip", "disabled") else "grad"
-                attempt(results, (engine, name), train, engine, kind, backend, injection, rank,
-                        settings, checkpoint_at)
+            feature_runs(results, engine, backend, rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
     finally:
         dist.destroy_process_group()
+
+
+def feature_runs(results, engine, backend, rank):
+    """``results[engine, name]``: torch's scaler, a disabled one, and ours with each feature."""
+    runs = [("torch", "torch", {}, None), ("disabled", "disabled", {}, None)]
+    runs += [(name, "ours", settings, at) for name, (settings, at) in FEATURES.items()]
+    for name, kind, settings, checkpoint_at in runs:
+        # overflows in a rank's own grad (only agreement skips the step); a run that steps
+        # on overflows (no_skip, its oracle) overflows in the loss, which every engine spreads
+        # over every parameter (a grad's inf may land in FSDP1's padding)
+        injection = "loss" if name in ("no_skip", "disabled") else "grad"
+        attempt(results, (engine, name), train, engine, kind, backend, injection, rank,
+                settings, checkpoint_at)

@@ -1,7 +1,9 @@
 """torch's distributed engines (FSDP2 with DTensor grads, DDP with and without
 gradient_as_bucket_view, FSDP1 with and without use_orig_params) × both backends, 2 gloo ranks
-on 127.0.0.1. Rank 1 overflows at some steps, either in its loss (the engine's reduction
-spreads it) or in its own grad shard after backward (only agreement saves the step). Scale
+on 127.0.0.1; FSDP2 on a 2-D mesh (HSDP, tensor parallel x FSDP2) with 4 ranks. Rank 1 (on
+the 2-D meshes: see ``_engines.overflowing_ranks``) overflows at some steps, either in its loss
+(the engine's reduction spreads it) or in its own grad shard after backward (only agreement
+saves the step). Scale
 trajectory, skipped steps and final full parameters must equal the same run with torch's scaler
 (``torch.amp.GradScaler`` for FSDP2, which agrees through DTensor dispatch; ``ShardedGradScaler``
 for DDP and FSDP1)."""
@@ -13,18 +15,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from _engines import (
-    CLIP_CASES,
     ENGINES,
     INJECTIONS,
+    MESH_ENGINES,
     OVERFLOW_STEPS,
     free_port,
     run,
     run_buckets,
-    run_clip,
     spawn_bounded,
     spawned_results,
 )
-from _engines_clip import CLIP_ENGINES, run_clip_engines
+from _engines_clip import CLIP_CASES, CLIP_ENGINES, run_clip, run_clip_engines
+from _engines_mesh import mesh_results
 
 from triton_scaler import ops
 
@@ -35,16 +37,18 @@ pytestmark = [pytest.mark.slow,
 _results: dict = {}
 
 
-def _engine_results(backend, tmp_path_factory):
-    """One spawn per backend runs every engine."""
+def _engine_results(backend, engine, tmp_path_factory):
+    """One spawn per backend runs every 1-D engine (2 ranks), one every 2-D mesh case (4)."""
+    if engine in MESH_ENGINES:
+        return mesh_results(backend, tmp_path_factory)
     return spawned_results(_results, f"engines-{backend}", run, tmp_path_factory, backend,
                            ENGINES)
 
 
 @pytest.mark.parametrize("injection", INJECTIONS)
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINES + MESH_ENGINES)
 def test_engine_matches_torchs_scaler(backend, engine, injection, tmp_path_factory):
-    ranks = _engine_results(backend, tmp_path_factory)
+    ranks = _engine_results(backend, engine, tmp_path_factory)
     for rank, results in enumerate(ranks):
         theirs, ours = results[engine, injection, "torch"], results[engine, injection, "ours"]
         assert "error" not in theirs, f"torch's run failed on rank {rank}: {theirs}"
@@ -54,8 +58,8 @@ def test_engine_matches_torchs_scaler(backend, engine, injection, tmp_path_facto
         assert len(ours["params"]) == len(theirs["params"])
         for a, b in zip(ours["params"], theirs["params"]):
             assert torch.equal(a, b), f"rank {rank}: final parameters differ"
-    assert ranks[0][engine, injection, "ours"]["scales"] == \
-        ranks[1][engine, injection, "ours"]["scales"]
+    assert all(r[engine, injection, "ours"]["scales"] == ranks[0][engine, injection, "ours"]["scales"]
+               for r in ranks)
 
 
 def test_grad_buckets_with_the_engines(backend, tmp_path):
@@ -98,8 +102,10 @@ def test_clip_grad_norm_is_global_with_a_process_group(backend, tmp_path):
                 assert torch.equal(grad, target * coef)  # targets * 4 / 4 is exact
 
 
-def _clip_engine_results(backend, tmp_path_factory):
-    """One spawn per backend runs every engine's clip."""
+def _clip_engine_results(backend, tmp_path_factory, engine=None):
+    """One spawn per backend runs every 1-D engine's clip (the 2-D mesh cases: their own)."""
+    if engine in MESH_ENGINES:
+        return mesh_results(backend, tmp_path_factory)
     return spawned_results(_results, f"clip-{backend}", run_clip_engines, tmp_path_factory,
                            backend)
 
@@ -111,13 +117,13 @@ def _same_norm(ours, theirs, exact):
 
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-@pytest.mark.parametrize("engine", CLIP_ENGINES)
+@pytest.mark.parametrize("engine", CLIP_ENGINES + MESH_ENGINES)
 def test_fused_clip_matches_the_engines_own_clip(backend, engine, norm_type, tmp_path_factory):
     """DDP: the norm of the rank's own (reduced) grads, as torch's clip; FSDP1: summed over
     the shards, as FSDP.clip_grad_norm_; FSDP2: over the mesh, as torch's clip of DTensors.
     Reference backend: the same norms and parameters, bit for bit (torch's arithmetic); Triton:
     the norm to 1e-6 (its sums run in another order), the same scales and skipped steps."""
-    ranks = _clip_engine_results(backend, tmp_path_factory)
+    ranks = _clip_engine_results(backend, tmp_path_factory, engine)
     exact = backend == "reference"
     for rank, results in enumerate(ranks):
         theirs, ours = results[engine, norm_type, "torch"], results[engine, norm_type, "ours"]
@@ -129,14 +135,32 @@ def test_fused_clip_matches_the_engines_own_clip(backend, engine, norm_type, tmp
         if exact:
             for a, b in zip(ours["params"], theirs["params"]):
                 assert torch.equal(a, b), f"rank {rank}: final parameters differ"
-    for a, b in zip(ranks[0][engine, norm_type, "ours"]["params"],
-                    ranks[1][engine, norm_type, "ours"]["params"]):
-        assert torch.equal(a, b), "the ranks clipped by different norms"
+    for r in ranks[1:]:
+        for a, b in zip(ranks[0][engine, norm_type, "ours"]["params"],
+                        r[engine, norm_type, "ours"]["params"]):
+            assert torch.equal(a, b), "the ranks clipped by different norms"
 
 
+def test_overflow_agreed_over_every_mesh_dimension_any_grad_is_sharded_on(backend,
+                                                                          tmp_path_factory):
+    """Tensor parallel x FSDP2, the first grad replicated over tp, an inf in rank 3's shard of
+    another: every rank skips (torch's DTensor dispatch agrees over the first grad's sharded
+    dimensions only, and its ranks 0 and 2 step; see tests/_engines_mesh.py)."""
+    ranks = mesh_results(backend, tmp_path_factory)
+    for rank, results in enumerate(ranks):
+        ours = results["first_grad_replicated", "ours"]
+        assert "error" not in ours, f"rank {rank}: {ours}"
+        scale, unchanged = ours
+        assert scale == 2.0**15 and unchanged, rank
+
+
+@pytest.mark.parametrize("mesh", ["1-D", "2-D"])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_fused_clip_counts_a_replicated_dtensor_grad_once(backend, norm_type, tmp_path_factory):
-    for results in _clip_engine_results(backend, tmp_path_factory):
+def test_fused_clip_counts_a_replicated_dtensor_grad_once(backend, norm_type, mesh,
+                                                          tmp_path_factory):
+    ranks = _clip_engine_results(backend, tmp_path_factory) if mesh == "1-D" else \
+        mesh_results(backend, tmp_path_factory)
+    for results in ranks:
         (ours, ours_grads, fulls) = results["mixed", norm_type, "ours"]
         (theirs, their_grads, _) = results["mixed", norm_type, "torch"]
         every = torch.cat([2 * f.double().reshape(-1) for f in fulls])  # d(p*p)/dp = 2p

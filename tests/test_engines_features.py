@@ -1,5 +1,6 @@
 """triton_scaler's extension settings under torch's distributed engines (FSDP2, FSDP2 with a
-fused optimizer, DDP, FSDP1) × both backends, 2 gloo ranks, rank 1 overflowing in its own grad
+fused optimizer, DDP, FSDP1; 2 gloo ranks; HSDP and tensor parallel x FSDP2 on 4) × both
+backends, rank 1 (2-D meshes: ``_engines.overflowing_ranks``) overflowing in its own grad
 (in its loss for the run that never skips) at ``OVERFLOW_STEPS``: hysteresis (Megatron-core's
 and the consecutive kind), min / max scale, static scaling, no skipping, raising at the
 minimum, and checkpoints taken mid-run.
@@ -14,8 +15,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from _engines import OVERFLOW_STEPS, STEPS, spawned_results
+from _engines import MESH_ENGINES, OVERFLOW_STEPS, STEPS, spawned_results
 from _engines_features import FEATURE_ENGINES, FEATURES, run_features
+from _engines_mesh import mesh_results
 from _peers import ApexLossScaler, MegatronDynamicGradScaler
 from _util import assert_all_same
 
@@ -30,8 +32,11 @@ INIT_SCALE, GROWTH_INTERVAL = 2.0**8, 2  # as tests/_engines.py's scalers
 _results: dict = {}
 
 
-def _feature_results(backend, tmp_path_factory):
-    """One spawn per backend runs every engine and feature."""
+def _feature_results(backend, engine, tmp_path_factory):
+    """One spawn per backend runs every 1-D engine and feature (2 ranks; the 2-D mesh cases:
+    tests/_engines_mesh.py, 4 ranks)."""
+    if engine in MESH_ENGINES:
+        return mesh_results(backend, tmp_path_factory)
     return spawned_results(_results, f"features-{backend}", run_features, tmp_path_factory,
                            backend)
 
@@ -74,9 +79,9 @@ def test_the_one_process_oracle_follows_the_peers():
 
 
 @pytest.mark.parametrize("feature", FEATURES)
-@pytest.mark.parametrize("engine", FEATURE_ENGINES)
+@pytest.mark.parametrize("engine", FEATURE_ENGINES + MESH_ENGINES)
 def test_feature_under_engine(backend, engine, feature, tmp_path_factory):
-    ranks = _feature_results(backend, tmp_path_factory)
+    ranks = _feature_results(backend, engine, tmp_path_factory)
     settings, _ = FEATURES[feature]
     skips = settings.get("skip_on_overflow", True)
     # a step taken on an overflow leaves NaN parameters: every later step overflows too
@@ -97,4 +102,4 @@ def test_feature_under_engine(backend, engine, feature, tmp_path_factory):
         else:  # every step taken, the overflowing ones too: as with no scaler at all
             assert ours["skipped"] == [], rank
             assert_all_same(ours["params"], results[engine, "disabled"]["params"])
-    assert ranks[0][engine, feature]["scales"] == ranks[1][engine, feature]["scales"]
+    assert all(r[engine, feature]["scales"] == ranks[0][engine, feature]["scales"] for r in ranks)

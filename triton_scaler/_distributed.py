@@ -38,6 +38,25 @@ def local_grad(grad: torch.Tensor, backend: str) -> tuple[torch.Tensor, tuple[An
     return grad, None
 
 
+class MeshDims(tuple):
+    """A DTensor grad's device mesh, dimension by dimension: ``(group, size, sharded)``, where
+    ``sharded`` means not ``Replicate``. ``mesh``: the DeviceMesh (grads on one mesh have their
+    norms reduced together, as torch's ``clip_grad_norm_`` stacks them)."""
+
+    mesh: Any
+
+
+def norm_layout(grad: torch.Tensor) -> tuple[torch.Tensor, MeshDims | None]:
+    """A grad's local tensor and, for a DTensor, its :class:`MeshDims` (None: a plain grad)."""
+    if not _is_dtensor(grad):
+        return grad, None
+    mesh = grad.device_mesh
+    dims = MeshDims((mesh.get_group(dim), mesh.size(dim), not placement.is_replicate())
+                    for dim, placement in enumerate(grad.placements))
+    dims.mesh = mesh
+    return grad._local_tensor, dims
+
+
 def agree_over_meshes(found_inf_by_device: dict[torch.device, torch.Tensor],
                       groups_by_device: dict[torch.device, tuple[Any, ...]]) -> None:
     """MAX all-reduce of each device's found_inf over the mesh groups of its DTensor grads."""

@@ -5,10 +5,11 @@ Which grads are parts of one gradient decides how a rank's norms combine with th
 * plain grads, not sharded (one process, DDP): the local norm, as
   ``torch.nn.utils.clip_grad_norm_`` (each grad's norm, grouped by device and dtype in order
   of first appearance, then the norm of the norms);
-* DTensor grads (FSDP2, tensor parallel): each grad's local norm is reduced over the mesh
-  dimensions on which it is not replicated (``x ** p``, all-reduce SUM, ``x ** (1 / p)``; MAX
-  for the inf norm), as torch's ``_NormPartial`` does under DTensor dispatch, then the norm of
-  the norms: a replicated grad is counted once;
+* DTensor grads (FSDP2, tensor parallel): each grad's local norm, the norms of one mesh
+  reduced together over the mesh dimensions any of them is sharded on (``x ** p``, all-reduce
+  SUM, ``x ** (1 / p)``; MAX for the inf norm), as torch's ``_NormPartial`` does under DTensor
+  dispatch (a norm replicated on such a dimension is partitioned first), then the norm of the
+  norms: a replicated grad is counted once;
 * plain grads that are shards over ``shard_group`` (``clip_grad_norm_(sharded=True)``: FSDP1,
   ZeRO-style sharding): their local norm's ``p``-th power is summed over the group, as
   ``FullyShardedDataParallel.clip_grad_norm_`` does (any other grads count once).
@@ -53,40 +54,58 @@ def _all_reduce(x: torch.Tensor, groups: tuple[Any, ...], norm_type: float,
     return x
 
 
-def reference_total_norm(entries: list[tuple[torch.Tensor, tuple[Any, ...]]], norm_type: float,
+def _reduce_on_mesh(norms: list[torch.Tensor], layouts: list, norm_type: float,
+                    wide: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The norms of the DTensor grads on one mesh, reduced as torch's ``clip_grad_norm_``
+    reduces their stack under DTensor dispatch: the stack is partial on every mesh dimension
+    any of them is sharded on; a norm replicated there is first partitioned (``/ size **
+    (1 / p)``, ``_NormPartial``; nothing for the inf norm's MAX), then the stack is reduced
+    dimension by dimension, outer first."""
+    dims = [d for d in range(len(layouts[0])) if any(layout[d][2] for layout in layouts)]
+    parts = []
+    for norm, layout in zip(norms, layouts):
+        for d in dims:
+            if not layout[d][2] and norm_type != math.inf:
+                norm = norm / math.pow(layout[d][1], 1 / norm_type)
+        parts.append(norm.to(device, wide))
+    return _all_reduce(torch.stack(parts), tuple(layouts[0][d][0] for d in dims), norm_type,
+                       powered=False)
+
+
+def reference_total_norm(entries: list[tuple[torch.Tensor, Any]], norm_type: float,
                          shard_group: Any, device: torch.device) -> torch.Tensor:
     """Total norm of already unscaled grads, in torch's order and arithmetic (module doc).
 
-    ``entries``: ``(grad, mesh groups)`` in the optimizer's order: the local tensor of a
-    DTensor grad with the groups it is sharded over, ``()`` for a plain grad.
+    ``entries``: ``(grad, mesh dims)`` in the optimizer's order: the local tensor of a DTensor
+    grad with its ``_distributed.MeshDims``, ``None`` for a plain grad.
     ``shard_group``: the plain grads are shards over it (None: they are whole). Every rank
     must call this (the reductions are collective), also with no grads."""
     inf = norm_type == math.inf
-    by_key: dict[tuple, list[tuple[torch.Tensor, tuple]]] = {}
-    for grad, groups in entries:
-        by_key.setdefault((grad.device, grad.dtype), []).append((grad, groups))
+    by_key: dict[tuple, list[tuple[torch.Tensor, Any]]] = {}
+    for grad, layout in entries:
+        by_key.setdefault((grad.device, grad.dtype), []).append((grad, layout))
     norms: list[torch.Tensor] = []  # per grad, counted once each
     shards: list[torch.Tensor] = []  # the norms of plain grads sharded over shard_group
-    on_mesh: dict[tuple, list[int]] = {}  # (groups, device, dtype) -> indices into norms
+    on_mesh: dict[Any, list[tuple[int, Any]]] = {}  # mesh -> (index into norms, mesh dims)
     for (_, dtype), items in by_key.items():
-        for grad, groups in items:
+        for grad, layout in items:
             empty = inf and not grad.numel()  # torch's inf norm of no elements is an error
-            if not groups and shard_group is not None:
+            if layout is None and shard_group is not None:
                 if not empty:  # FSDP1's _get_grad_norm: float32 norms
                     shards.append(torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32))
-            elif groups:  # a rank with no elements still joins the reduction, with 0
+            elif layout is not None:  # a rank with no elements still joins, with 0
                 norm = grad.new_zeros((), dtype=torch.float32 if dtype in _HALF else dtype) \
                     if empty else grad_norm(grad, norm_type)
-                on_mesh.setdefault((groups, norm.device, norm.dtype), []).append(len(norms))
+                on_mesh.setdefault(layout.mesh, []).append((len(norms), layout))
                 norms.append(norm)
             elif not empty:
                 norms.append(grad_norm(grad, norm_type))
-    for (groups, _, _), indices in on_mesh.items():  # one reduction per group, elementwise
-        reduced = _all_reduce(torch.stack([norms[i] for i in indices]), groups, norm_type,
-                              powered=False)
-        for k, i in enumerate(indices):
-            norms[i] = reduced[k]
     wide = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
+    for items in on_mesh.values():
+        reduced = _reduce_on_mesh([norms[i] for i, _ in items], [lay for _, lay in items],
+                                  norm_type, wide, device)
+        for k, (i, _) in enumerate(items):
+            norms[i] = reduced[k]
     rest = torch.linalg.vector_norm(torch.stack([n.to(device, wide) for n in norms]),
                                     norm_type) if norms else None
     if shard_group is None:

@@ -1,0 +1,77 @@
+"""Worker of the 2-D mesh cases: one rank of a 4-process gloo group, ranks [[0, 1], [2, 3]].
+FSDP2 as HSDP (replicate x shard) and tensor parallel x FSDP2: training against torch's scaler,
+the fused clip against torch's clip of DTensors, every extension setting; DTensor grads with
+different placements on the 2-D mesh: the clip's norm and the overflow agreement (see
+``first_grad_replicated``)."""
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from _engines import INJECTIONS, MESH_ENGINES, _init_group, attempt, spawned_results, train
+from _engines_clip import mixed_placements, train_clipped
+from _engines_features import feature_runs
+
+WORLD_SIZE = 4
+_cache: dict = {}
+
+
+def mesh_results(backend, tmp_path_factory):
+    """The 4 ranks' results, one spawn per backend shared by every test module."""
+    return spawned_results(_cache, f"mesh-{backend}", run_mesh, tmp_path_factory, backend,
+                           world_size=WORLD_SIZE)
+
+
+def first_grad_replicated(kind, backend, rank):
+    """Two DTensor grads on the (dp, tp) mesh: the first replicated over tp (a norm's weight),
+    the second sharded over both; rank 3 (dp 1, tp 1) overflows in the second. torch's op under
+    DTensor dispatch agrees over the first grad's sharded dimensions only (dp): ranks 1 and 3
+    skip, 0 and 2 step (seen with torch 2.13). Ours agrees over every dimension any grad is
+    sharded on: every rank skips. Returns (scale after update, parameters unchanged)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from triton_scaler import GradScaler
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    placements = ([Shard(0), Replicate()], [Shard(0), Shard(1)])
+    params = [torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, p))
+              for p in placements]
+    before = [p.detach().full_tensor() for p in params]
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = (torch.amp.GradScaler("cpu") if kind == "torch"
+              else GradScaler("cpu", backend=backend))
+    scaler.scale(sum((p * p).sum() for p in params)).backward()
+    if rank == 3:
+        params[1].grad._local_tensor.view(-1)[0] = math.inf
+    scaler.step(opt)
+    scaler.update()
+    after = [p.detach().full_tensor() for p in params]
+    return scaler.get_scale(), all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def run_mesh(rank, world_size, port, backend, out_dir):
+    _init_group(rank, world_size, port)
+    try:
+        results = {}
+        for engine in MESH_ENGINES:
+            for kind in ("torch", "ours"):
+                for injection in INJECTIONS:
+                    attempt(results, (engine, injection, kind), train, engine, kind, backend,
+                            injection, rank)
+                for norm_type in (2.0, math.inf):
+                    attempt(results, (engine, norm_type, kind), train_clipped, engine, kind,
+                            backend, norm_type, rank)
+            feature_runs(results, engine, backend, rank)
+        for norm_type in (2.0, math.inf):
+            for kind in ("torch", "ours"):
+                results["mixed", norm_type, kind] = mixed_placements(kind, backend, norm_type,
+                                                                     (2, 2))
+        for kind in ("torch", "ours"):
+            attempt(results, ("first_grad_replicated", kind), first_grad_replicated, kind,
+                    backend, rank)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
+    finally:
+        dist.destroy_process_group()
