@@ -19,7 +19,7 @@ from torch.amp.grad_scaler import OptState
 
 from . import reference
 from ._backend import resolve_backend
-from ._distributed import MeshDims, agree_over_meshes, norm_layout
+from ._distributed import MeshLayout, agree_over_meshes, norm_layout
 from ._grads import PerDevice, grad_groups
 from ._norms import combine_partials, grad_norm, reference_total_norm
 from .buckets import buckets_of
@@ -41,8 +41,8 @@ def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, fl
     return float(max_norm), float(norm)
 
 
-def _norm_entries(params) -> list[tuple[torch.Tensor, MeshDims | None]]:
-    """``(grad, mesh dims)`` of each parameter with a grad, for :func:`reference_total_norm`:
+def _norm_entries(params) -> list[tuple[torch.Tensor, MeshLayout | None]]:
+    """``(grad, mesh layout)`` of each parameter with a grad, for :func:`reference_total_norm`:
     a DTensor grad's local tensor and its mesh; ``None`` for a plain grad."""
     return [norm_layout(param.grad) if type(param.grad) is not torch.Tensor else (param.grad, None)
             for param in params]

@@ -5,6 +5,7 @@ when a tensor subclass is actually seen."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,23 +39,27 @@ def local_grad(grad: torch.Tensor, backend: str) -> tuple[torch.Tensor, tuple[An
     return grad, None
 
 
-class MeshDims(tuple):
-    """A DTensor grad's device mesh, dimension by dimension: ``(group, size, sharded)``, where
-    ``sharded`` means not ``Replicate``. ``mesh``: the DeviceMesh (grads on one mesh have their
-    norms reduced together, as torch's ``clip_grad_norm_`` stacks them)."""
+@dataclass(frozen=True)
+class MeshLayout:
+    """Where a DTensor grad lives, per dimension of its device mesh: the dimension's process
+    group, its size, and whether the grad is sharded there (not ``Replicate``). Grads on one
+    ``mesh`` have their norms reduced together, as torch's ``clip_grad_norm_`` stacks them."""
 
     mesh: Any
+    groups: tuple[Any, ...]
+    sizes: tuple[int, ...]
+    sharded: tuple[bool, ...]
 
 
-def norm_layout(grad: torch.Tensor) -> tuple[torch.Tensor, MeshDims | None]:
-    """A grad's local tensor and, for a DTensor, its :class:`MeshDims` (None: a plain grad)."""
+def norm_layout(grad: torch.Tensor) -> tuple[torch.Tensor, MeshLayout | None]:
+    """A grad's local tensor and, for a DTensor, its :class:`MeshLayout` (None otherwise)."""
     if not _is_dtensor(grad):
         return grad, None
     mesh = grad.device_mesh
-    dims = MeshDims((mesh.get_group(dim), mesh.size(dim), not placement.is_replicate())
-                    for dim, placement in enumerate(grad.placements))
-    dims.mesh = mesh
-    return grad._local_tensor, dims
+    dims = range(mesh.ndim)
+    return grad._local_tensor, MeshLayout(
+        mesh, tuple(mesh.get_group(d) for d in dims), tuple(mesh.size(d) for d in dims),
+        tuple(not placement.is_replicate() for placement in grad.placements))
 
 
 def agree_over_meshes(found_inf_by_device: dict[torch.device, torch.Tensor],

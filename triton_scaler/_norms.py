@@ -56,19 +56,21 @@ def _all_reduce(x: torch.Tensor, groups: tuple[Any, ...], norm_type: float,
 
 def _reduce_on_mesh(norms: list[torch.Tensor], layouts: list, norm_type: float,
                     wide: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The norms of the DTensor grads on one mesh, reduced as torch's ``clip_grad_norm_``
-    reduces their stack under DTensor dispatch: the stack is partial on every mesh dimension
-    any of them is sharded on; a norm replicated there is first partitioned (``/ size **
-    (1 / p)``, ``_NormPartial``; nothing for the inf norm's MAX), then the stack is reduced
-    dimension by dimension, outer first."""
-    dims = [d for d in range(len(layouts[0])) if any(layout[d][2] for layout in layouts)]
+    """The norms of the DTensor grads on one mesh (``layouts``: their
+    ``_distributed.MeshLayout``), reduced as torch's ``clip_grad_norm_`` reduces their stack
+    under DTensor dispatch: the stack is partial on every mesh dimension any of them is
+    sharded on; a norm replicated there is first partitioned (``/ size ** (1 / p)``,
+    ``_NormPartial``; nothing for the inf norm's MAX), then the stack is reduced dimension by
+    dimension, outer first."""
+    first = layouts[0]
+    dims = [d for d in range(len(first.sizes)) if any(lay.sharded[d] for lay in layouts)]
     parts = []
     for norm, layout in zip(norms, layouts):
         for d in dims:
-            if not layout[d][2] and norm_type != math.inf:
-                norm = norm / math.pow(layout[d][1], 1 / norm_type)
+            if not layout.sharded[d] and norm_type != math.inf:
+                norm = norm / math.pow(layout.sizes[d], 1 / norm_type)
         parts.append(norm.to(device, wide))
-    return _all_reduce(torch.stack(parts), tuple(layouts[0][d][0] for d in dims), norm_type,
+    return _all_reduce(torch.stack(parts), tuple(first.groups[d] for d in dims), norm_type,
                        powered=False)
 
 
@@ -76,8 +78,8 @@ def reference_total_norm(entries: list[tuple[torch.Tensor, Any]], norm_type: flo
                          shard_group: Any, device: torch.device) -> torch.Tensor:
     """Total norm of already unscaled grads, in torch's order and arithmetic (module doc).
 
-    ``entries``: ``(grad, mesh dims)`` in the optimizer's order: the local tensor of a DTensor
-    grad with its ``_distributed.MeshDims``, ``None`` for a plain grad.
+    ``entries``: ``(grad, mesh layout)`` in the optimizer's order: the local tensor of a DTensor
+    grad with its ``_distributed.MeshLayout``, ``None`` for a plain grad.
     ``shard_group``: the plain grads are shards over it (None: they are whole). Every rank
     must call this (the reductions are collective), also with no grads."""
     inf = norm_type == math.inf
@@ -86,7 +88,7 @@ def reference_total_norm(entries: list[tuple[torch.Tensor, Any]], norm_type: flo
         by_key.setdefault((grad.device, grad.dtype), []).append((grad, layout))
     norms: list[torch.Tensor] = []  # per grad, counted once each
     shards: list[torch.Tensor] = []  # the norms of plain grads sharded over shard_group
-    on_mesh: dict[Any, list[tuple[int, Any]]] = {}  # mesh -> (index into norms, mesh dims)
+    on_mesh: dict[Any, list[tuple[int, Any]]] = {}  # mesh -> (index into norms, layout)
     for (_, dtype), items in by_key.items():
         for grad, layout in items:
             empty = inf and not grad.numel()  # torch's inf norm of no elements is an error
