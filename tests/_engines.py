@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ENGINES = ("fsdp2", "fsdp2_fused", "ddp", "ddp_bucket_view", "fsdp1", "fsdp1_orig_params")
+ENGINES = ("fsdp2", "fsdp2_fused", "fsdp2_mixed_precision", "ddp", "ddp_bucket_view", "fsdp1",
+           "fsdp1_orig_params")
 #: FSDP2 on a 2-D mesh of 4 ranks: HSDP (replicate x shard) and tensor parallel x FSDP2
 MESH_ENGINES = ("fsdp2_hsdp", "fsdp2_tp")
 INJECTIONS = ("loss", "grad")  # inf in rank 1's loss (spread by the engine) / in its own grad
@@ -38,8 +39,14 @@ def _wrap(engine, model):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (2,))
-        fully_shard(model[0], mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        kwargs = {}
+        if engine == "fsdp2_mixed_precision":  # fp16 compute, fp32 grads (the README's)
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float16,
+                                                       reduce_dtype=torch.float32)
+        fully_shard(model[0], mesh=mesh, **kwargs)
+        fully_shard(model, mesh=mesh, **kwargs)
         wrapped = model
     elif engine.startswith("ddp"):
         wrapped = torch.nn.parallel.DistributedDataParallel(

@@ -21,10 +21,10 @@ from _engines import (
     overflowing_ranks,
 )
 
-CLIP_ENGINES = ("fsdp2", "ddp", "fsdp1", "fsdp1_orig_params")
+CLIP_ENGINES = ("fsdp2", "fsdp2_mixed_precision", "ddp", "fsdp1", "fsdp1_orig_params")
 #: how each engine's plain grads relate across ranks (None: DTensor grads say it themselves)
-SHARDED = {"fsdp2": None, "ddp": False, "fsdp1": True, "fsdp1_orig_params": True,
-           "fsdp2_hsdp": None, "fsdp2_tp": None}
+SHARDED = {"fsdp2": None, "fsdp2_mixed_precision": None, "fsdp2_hsdp": None, "fsdp2_tp": None,
+           "ddp": False, "fsdp1": True, "fsdp1_orig_params": True}
 MAX_NORM = 0.05  # below the grads' norm: every step clips
 
 

@@ -1,4 +1,5 @@
-"""torch's distributed engines (FSDP2 with DTensor grads, DDP with and without
+"""torch's distributed engines (FSDP2 with DTensor grads, also with fp16 MixedPrecisionPolicy;
+DDP with and without
 gradient_as_bucket_view, FSDP1 with and without use_orig_params) × both backends, 2 gloo ranks
 on 127.0.0.1; FSDP2 on a 2-D mesh (HSDP, tensor parallel x FSDP2) with 4 ranks. Rank 1 (on
 the 2-D meshes: see ``_engines.overflowing_ranks``) overflows at some steps, either in its loss
