@@ -1,13 +1,11 @@
 """torch's distributed engines (FSDP2 with DTensor grads, also with fp16 MixedPrecisionPolicy;
-DDP with and without
-gradient_as_bucket_view, FSDP1 with and without use_orig_params) × both backends, 2 gloo ranks
-on 127.0.0.1; FSDP2 on a 2-D mesh (HSDP, tensor parallel x FSDP2) with 4 ranks. Rank 1 (on
-the 2-D meshes: see ``_engines.overflowing_ranks``) overflows at some steps, either in its loss
-(the engine's reduction spreads it) or in its own grad shard after backward (only agreement
-saves the step). Scale
-trajectory, skipped steps and final full parameters must equal the same run with torch's scaler
-(``torch.amp.GradScaler`` for FSDP2, which agrees through DTensor dispatch; ``ShardedGradScaler``
-for DDP and FSDP1)."""
+DDP with and without gradient_as_bucket_view; FSDP1 with and without use_orig_params) × both
+backends, 2 gloo ranks on 127.0.0.1; FSDP2 on a 2-D mesh (HSDP, tensor parallel x FSDP2) with
+4 ranks. Rank 1 (on the 2-D meshes: see ``_engines.overflowing_ranks``) overflows at some
+steps, either in its loss (the engine's reduction spreads it) or in its own grad shard after
+backward (only agreement saves the step). Scale trajectory, skipped steps and final full
+parameters must equal the same run with torch's scaler (``torch.amp.GradScaler`` for FSDP2,
+which agrees through DTensor dispatch; ``ShardedGradScaler`` for DDP and FSDP1)."""
 
 import math
 import os
