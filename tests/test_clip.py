@@ -238,3 +238,37 @@ def test_error_if_nonfinite_leaves_the_grads_as_torch_does(backend, plant, bucke
         s.update()
     assert_all_same([p.detach() for p in params], [p.detach() for p in theirs])
     assert scaler.get_scale() == torch_scaler.get_scale()
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_a_bucketed_parameter_without_a_gradient_is_not_counted(backend, norm_type):
+    """GradBuckets: a parameter that received no gradient since ``zero_`` has grad None at the
+    clip (its view is not a grad), as after torch's ``zero_grad()``: the norm and the step are
+    those of torch's unscale_ + clip without it."""
+    gen = torch.Generator().manual_seed(3)
+    fulls = [torch.randn(n, generator=gen) for n in (7, 4099, 33)]
+    ours = [torch.nn.Parameter(f.clone()) for f in fulls]
+    theirs = [torch.nn.Parameter(f.clone()) for f in fulls]
+    opt, their_opt = torch.optim.SGD(ours, lr=0.1), torch.optim.SGD(theirs, lr=0.1)
+    buckets = GradBuckets(opt)
+    scaler = GradScaler("cpu", init_scale=SCALE, backend=backend)
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    for step in range(2):  # step 1: the middle parameter takes no part
+        used = (0, 1, 2) if step == 0 else (0, 2)
+        for params, s in ((ours, scaler), (theirs, torch_scaler)):
+            s.scale(sum((params[i] * params[i]).sum() for i in used)).backward()
+        total = scaler.clip_grad_norm_(opt, 0.5, norm_type)
+        torch_scaler.unscale_(their_opt)
+        expected = torch.nn.utils.clip_grad_norm_(theirs, 0.5, norm_type)
+        assert [p.grad is None for p in ours] == [p.grad is None for p in theirs]
+        if backend == "reference":
+            assert torch.equal(total, expected), step
+        else:
+            assert abs(total.item() - expected.item()) <= 1e-6 * expected.item(), step
+        for s, o in ((scaler, opt), (torch_scaler, their_opt)):
+            s.step(o)
+            s.update()
+        buckets.zero_()
+        their_opt.zero_grad()
+    if backend == "reference":
+        assert_all_same([p.detach() for p in ours], [p.detach() for p in theirs])

@@ -197,6 +197,8 @@ class ClipMixin:
                     dev = group.device
                     reference.non_finite_check_and_unscale_(
                         group.grads, found_for.get(dev), reference.inv_scale_of(scale_for.get(dev)))
+                # read again: grad_groups gave a bucketed parameter that received no
+                # gradient since GradBuckets.zero_ grad None (its view is not a grad now)
                 params = [p for g in optimizer.param_groups for p in g["params"]
                           if p.grad is not None]
                 total = reference_total_norm(_norm_entries(params), norm_type, shard_group,
