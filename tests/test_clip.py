@@ -272,3 +272,31 @@ def test_a_bucketed_parameter_without_a_gradient_is_not_counted(backend, norm_ty
         their_opt.zero_grad()
     if backend == "reference":
         assert_all_same([p.detach() for p in ours], [p.detach() for p in theirs])
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_an_empty_grad_is_left_out_of_the_inf_norm(backend, buckets):
+    """torch's clip raises for the inf norm of an empty grad (a max has no identity); the
+    fused clip leaves empty grads out of it (README: differs on purpose). Its norm and grads
+    are those of torch's unscale_ + clip over the non-empty grads; only empty grads: 0."""
+    params, opt, scaler = _setup(backend, (7, 0, 4099, 0), torch.float32, buckets=buckets)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for mine, their in zip(params, theirs):
+        their.grad = mine.grad.clone()
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    torch_scaler.scale(torch.ones(()))
+    torch_scaler.unscale_(torch.optim.SGD(theirs, lr=0.1))
+    with pytest.raises(RuntimeError, match="infinity norm on an empty tensor"):
+        torch.nn.utils.clip_grad_norm_(theirs, 0.5, math.inf)
+    expected = torch.nn.utils.clip_grad_norm_([p for p in theirs if p.numel()], 0.5, math.inf)
+    total = scaler.clip_grad_norm_(opt, 0.5, math.inf)
+    assert torch.equal(total, expected)
+    assert_all_same([p.grad for p in params], [p.grad for p in theirs])
+
+    params, opt, scaler = _setup(backend, (0, 0), torch.float32, buckets=buckets)
+    total = scaler.clip_grad_norm_(opt, 0.5, math.inf)
+    assert torch.equal(total, torch.zeros(()))
+    assert [p.grad.shape for p in params] == [(0,), (0,)]
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.skipped_steps == 0 and scaler.get_scale() == SCALE
