@@ -204,3 +204,45 @@ def test_a_new_param_list_at_a_freed_lists_address_is_seen(backend):
         return [step, scaler.get_scale()]
 
     assert _run_both(backend, build, loop) == ["ok", 4.0]  # the new grad's inf was seen
+
+
+
+@pytest.mark.parametrize("route", ["unscale_", "clip_inf", "clip_2", "fused"])
+@pytest.mark.parametrize("written", [math.inf, math.nan, 1e3])
+def test_what_is_written_into_the_view_of_a_parameter_without_gradient_does_not_count(
+        backend, route, written):
+    """With buckets, a parameter that received no gradient still shows its (zero) view as
+    ``.grad`` until the scaler sets it to None; torch's grad is None there. A value written
+    into that view (gradient-processing code over every ``p.grad``) is no grad: it must not
+    flag an overflow, enter the clip's norm or reach the parameter (found by a random sweep
+    of clip_grad_norm_ with GradBuckets)."""
+    fused = route == "fused"
+    build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (5, 4099, 3, 33)],
+                      lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=fused))
+
+    def loop(params, opt, scaler, zero_grad):
+        outcomes = []
+        for step in range(3):
+            used = (0, 1, 3) if step == 1 else (0, 1, 2, 3)  # step 1: the third unused
+            scaler.scale(sum((params[i] * params[i]).sum() for i in used)).backward()
+            if params[2].grad is not None and step == 1:  # ours only: torch's is None
+                params[2].grad.view(-1)[-1] = written
+            if route == "unscale_":
+                scaler.unscale_(opt)
+            elif route != "fused":
+                norm_type = math.inf if route == "clip_inf" else 2.0
+                if isinstance(scaler, GradScaler):
+                    norm = scaler.clip_grad_norm_(opt, 1e9, norm_type)
+                else:
+                    scaler.unscale_(opt)
+                    norm = torch.nn.utils.clip_grad_norm_(
+                        [p for p in params if p.grad is not None], 1e9, norm_type)
+                outcomes.append(float(f"{norm.item():.6g}"))  # the Triton 2-norm's order
+            scaler.step(opt)
+            scaler.update()
+            outcomes.append((scaler.get_scale(), [p.grad is None for p in params]))
+            zero_grad()
+        return outcomes
+
+    outcomes = [o for o in _run_both(backend, build, loop) if isinstance(o, tuple)]
+    assert outcomes[1] == (16.0, [False, False, True, False])  # step 1 not skipped

@@ -101,17 +101,18 @@ class GradBucket:
         """Check that every grad is still its view and deal with those that are not; give the
         parameters that received no gradient since :meth:`GradBuckets.zero_` ``grad = None``.
 
-        Returns the ids of the parameters whose grads this bucket's buffer now holds (the
-        object :attr:`param_ids` itself when it holds all; none of a parameter whose grad
-        is None, so an optimizer none of whose parameters has a grad raises in ``step`` as
-        in torch). A grad replaced by
-        ``zero_grad(set_to_none=True)`` is copied back into its view (``on_detach=
-        "reattach"``) or left to the per-tensor path (``"warn"``); both warn once.
+        Their views are zeroed (whatever was written into them is no grad: the bucket's
+        launches read the whole buffer). Returns the ids of the parameters whose grads this
+        bucket's buffer now holds (the object :attr:`param_ids` itself when it holds all; none
+        of a parameter whose grad is None, so an optimizer none of whose parameters has a
+        grad raises in ``step`` as in torch). A grad replaced by ``zero_grad(set_to_none=
+        True)`` is copied back into its view (``on_detach="reattach"``) or left to the
+        per-tensor path (``"warn"``); both warn once.
         """
         received = self.received
         if len(received) == len(self.params) and self.all_views_in_place():
             return self.param_ids  # the O(1) path: nothing to do
-        detached, quiet, unset, held = [], [], [], []
+        detached, quiet, unset, held, dropped = [], [], [], [], []
         for i, p in enumerate(self.params):
             grad = p.grad
             if grad is not None and self._is_view(i, grad):
@@ -120,6 +121,7 @@ class GradBucket:
                 else:  # no gradient this iteration: as torch, grad None
                     p.grad = None
                     self._unset_by_us.add(i)
+                    dropped.append(i)
             elif grad is None:  # set to None outside: the view must not keep stale values
                 unset.append(i)
             elif i in self._unset_by_us:  # we set it to None; autograd made a new one
@@ -133,8 +135,9 @@ class GradBucket:
                     "or build DDP with gradient_as_bucket_view=False")
             else:  # not a view any more (zero_grad(set_to_none=True), or assigned)
                 detached.append(i)
-        if unset:
-            self._zero_views_of(unset)
+        if unset or dropped:  # (a dropped view was a grad until now: it may have been written)
+            self._zeroed.difference_update(dropped)
+            self._zero_views_of(unset + dropped)
         outside: set[int] = set()
         if quiet:  # grads we set to None and autograd re-created: back in, no warning
             self._unset_by_us.difference_update(quiet)
@@ -161,12 +164,13 @@ class GradBucket:
         self._zeroed.clear()
 
     def _zero_views_of(self, indices: list[int]) -> None:
-        """Zero the views of parameters whose grad is None, once until they are written."""
-        with torch.no_grad():
-            for i in indices:
-                if i not in self._zeroed:
-                    self._zeroed.add(i)
-                    self.view(i).zero_()
+        """Zero the views of parameters whose grad is None, once until they are written (one
+        foreach launch): the bucket's launches read them, and they are no grads."""
+        todo = [i for i in indices if i not in self._zeroed]
+        if todo:
+            self._zeroed.update(todo)
+            with torch.no_grad():
+                torch._foreach_zero_([self.view(i) for i in todo])
 
     def _reattach(self, detached: list[int], copy_back: bool = True) -> set[int]:
         """Copy each grad back into its view (or zero the view and leave the grad outside);
