@@ -165,7 +165,7 @@ class GradBucket:
 
     def _zero_views_of(self, indices: list[int]) -> None:
         """Zero the views of parameters whose grad is None, once until they are written (one
-        foreach launch): the bucket's launches read them, and they are no grads."""
+        ``_foreach_zero_``): the bucket's launches read them, and they are no grads."""
         todo = [i for i in indices if i not in self._zeroed]
         if todo:
             self._zeroed.update(todo)
