@@ -246,3 +246,33 @@ def test_what_is_written_into_the_view_of_a_parameter_without_gradient_does_not_
 
     outcomes = [o for o in _run_both(backend, build, loop) if isinstance(o, tuple)]
     assert outcomes[1] == (16.0, [False, False, True, False])  # step 1 not skipped
+
+
+def test_a_held_view_does_not_hide_a_grad_the_scaler_set_to_none(backend):
+    """The user holds a grad (a loop variable, a list for logging); the parameter then takes
+    no part in a step (the scaler sets its grad None), ``zero_grad(set_to_none=False)`` keeps
+    None, and the next backward gives it a new grad outside the bucket. The held view keeps
+    the storage's count of live views as before: the scaler must still see the new grad and
+    unscale it (found by a random sweep of clip_grad_norm_ with GradBuckets)."""
+    build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (5, 37)])
+
+    def loop(params, opt, scaler, zero_grad):
+        held, outcomes = None, []
+        for step in range(4):
+            used = (1,) if step == 1 else (0, 1)
+            scaler.scale(sum((params[i] * params[i]).sum() for i in used)).backward()
+            if step == 1:
+                held = params[0].grad  # noqa: F841 (ours: its view; kept alive on purpose)
+            scaler.unscale_(opt)
+            outcomes.append([None if p.grad is None else p.grad.abs().max().item()
+                             for p in params])
+            scaler.step(opt)
+            scaler.update()
+            if step == 0:
+                zero_grad()  # ours: buckets.zero_(); torch: zero_grad() (None)
+            else:
+                opt.zero_grad(set_to_none=False)  # keeps None
+        return outcomes
+
+    outcomes = _run_both(backend, build, loop)
+    assert outcomes[1][0] is None and outcomes[2][0] is not None

@@ -110,7 +110,9 @@ class GradBucket:
         per-tensor path (``"warn"``); both warn once.
         """
         received = self.received
-        if len(received) == len(self.params) and self.all_views_in_place():
+        # (not after we set a grad to None: a view of it held elsewhere keeps the count)
+        if not self._unset_by_us and len(received) == len(self.params) and \
+                self.all_views_in_place():
             return self.param_ids  # the O(1) path: nothing to do
         detached, quiet, unset, held, dropped = [], [], [], [], []
         for i, p in enumerate(self.params):
