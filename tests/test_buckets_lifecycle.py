@@ -276,3 +276,27 @@ def test_a_held_view_does_not_hide_a_grad_the_scaler_set_to_none(backend):
 
     outcomes = _run_both(backend, build, loop)
     assert outcomes[1][0] is None and outcomes[2][0] is not None
+
+
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
+@pytest.mark.parametrize("n_params", [1, 3])
+def test_grads_replaced_while_a_list_holds_the_old_views_are_seen(backend, n_params):
+    """``zero_grad()`` (set_to_none=True) detaches every view while a list made after
+    ``unscale_`` (for logging) holds them into the next step: the storage then counts as many
+    live views as before, but every grad is new. The scaler must still unscale them (it
+    copies them back into the bucket and warns)."""
+    build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(5 + i)) for i in range(n_params)])
+
+    def loop(params, opt, scaler, zero_grad):
+        logged, outcomes = None, []  # noqa: F841 (kept alive on purpose)
+        for _ in range(3):
+            scaler.scale(sum((p * p).sum() for p in params)).backward()
+            scaler.unscale_(opt)
+            outcomes.append([p.grad.abs().max().item() for p in params])
+            logged = [p.grad for p in params]  # noqa: F841
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return outcomes
+
+    _run_both(backend, build, loop)

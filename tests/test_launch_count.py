@@ -187,6 +187,26 @@ def test_bucket_fast_path_sees_assignment_after_backward(backend):
     assert_all_same(results[1], results[0])
 
 
+
+@pytest.mark.parametrize("sizes", [(5, 9, 3), (0, 5, 9, 0), (7,)])
+def test_the_bucket_fast_path_is_taken_in_the_steady_state(sizes):
+    """With every grad its view and every parameter given a gradient, each step's bucket
+    check is O(1) (no per-parameter pass), also when the first or last parameter is empty
+    (whose view's data_ptr() is 0, so it cannot be the address checked)."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    buckets = GradBuckets(torch.optim.SGD(params, lr=0.1))
+    (bucket,) = buckets.buckets
+    for _ in range(2):
+        buckets.zero_()
+        sum((p * p).sum() for p in params).backward()
+        assert bucket.all_views_in_place()
+        assert bucket.attach_grads() is bucket.param_ids
+    held = [p.grad for p in params]  # old views alive while zero_grad() replaces the grads
+    torch.optim.SGD(params, lr=0.1).zero_grad()
+    sum((p * p).sum() for p in params).backward()
+    assert not bucket.all_views_in_place() or not any(p.numel() for p in params)
+    del held
+
 def test_no_grad_is_kept_alive_between_steps(backend):
     """zero_grad(set_to_none=True) must free the grads: the scaler's caches hold addresses
     and tables, never the grad tensors."""

@@ -72,6 +72,10 @@ class GradBucket:
         self._hooks = [p.register_post_accumulate_grad_hook(
             functools.partial(self.received.__setitem__, i)) for i, p in enumerate(params)]
         self._all_views_refs = _storage_refs(self.buffer) + len(params)
+        # the first and last non-empty parameters (an empty tensor's data_ptr() is 0)
+        filled = [i for i, p in enumerate(params) if p.numel()]
+        self._spot_checks = [(params[i], self.view(i).data_ptr())
+                             for i in sorted(set(filled[:1] + filled[-1:]))]
         with torch.no_grad():
             for i, p in enumerate(params):
                 view = self.view(i)
@@ -93,9 +97,18 @@ class GradBucket:
                 and grad.stride() == strides and grad.dtype == self.dtype)
 
     def all_views_in_place(self) -> bool:
-        """O(1): every parameter's grad is still a live view of the buffer (by the storage's
-        reference count; a view kept alive elsewhere, e.g. in a list, makes this False)."""
-        return _storage_refs(self.buffer) == self._all_views_refs
+        """O(1): every parameter's grad is still a live view of the buffer, by the storage's
+        reference count (a view kept alive elsewhere, e.g. in a list, makes this False) and
+        the addresses of the first and last non-empty parameters' grads: views held elsewhere
+        keep the count when grads were replaced too (``zero_grad()`` while a list holds last
+        step's grads)."""
+        if _storage_refs(self.buffer) != self._all_views_refs:
+            return False
+        for param, address in self._spot_checks:  # (no other tensor can be at its address)
+            grad = param.grad
+            if grad is None or grad.data_ptr() != address:
+                return False
+        return True
 
     def attach_grads(self) -> frozenset[int]:
         """Check that every grad is still its view and deal with those that are not; give the
