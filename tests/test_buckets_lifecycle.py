@@ -300,3 +300,28 @@ def test_grads_replaced_while_a_list_holds_the_old_views_are_seen(backend, n_par
         return outcomes
 
     _run_both(backend, build, loop)
+
+
+def test_zero_gives_back_the_view_of_a_grad_the_scaler_set_to_none(backend):
+    """A middle parameter takes no part in a step (the scaler sets its grad None) while the
+    user holds its old view; ``buckets.zero_()`` must give it its view back, or the next
+    backward makes it a new grad outside the bucket that the O(1) check, fooled by the held
+    view, would leave scaled (found by the random clip sweep)."""
+    build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (41, 37, 37)])
+
+    def loop(params, opt, scaler, zero_grad):
+        held, outcomes = None, []
+        for step in range(3):
+            used = (0, 2) if step == 1 else (0, 1, 2)
+            scaler.scale(sum((params[i] * params[i]).sum() for i in used)).backward()
+            if step == 0:
+                held = params[1].grad  # noqa: F841 (kept alive on purpose)
+            scaler.unscale_(opt)
+            outcomes.append([None if p.grad is None else p.grad.abs().max().item()
+                             for p in params])
+            scaler.step(opt)
+            scaler.update()
+            zero_grad()  # ours: buckets.zero_(); torch: zero_grad()
+        return outcomes
+
+    assert _run_both(backend, build, loop)[1][1] is None

@@ -96,7 +96,9 @@ class GradBuckets:
         # place in its group): look for parameters outside the buckets again
         recheck = any(len(b.received) < len(b.params) for b in self.buckets)
         for bucket in self.buckets:
-            if not bucket.all_views_in_place():  # O(1) check; the loop only when needed
+            # O(1) check, the loop only when needed: also after the scaler set grads to None
+            # (a view held elsewhere may keep the storage's count)
+            if bucket._unset_by_us or not bucket.all_views_in_place():
                 bucket._repoint()
             bucket.received.clear()
             bucket._unset_by_us.clear()
