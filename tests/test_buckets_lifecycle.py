@@ -325,3 +325,30 @@ def test_zero_gives_back_the_view_of_a_grad_the_scaler_set_to_none(backend):
         return outcomes
 
     assert _run_both(backend, build, loop)[1][1] is None
+
+
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_a_middle_grad_set_to_none_while_its_view_is_held_is_seen(backend, accumulate):
+    """The user sets a middle parameter's grad to None before the backward while holding its
+    old view: the storage keeps its count of live views and the first and last grads are
+    views, but the backward's accumulation made a new grad, which does not bump the buffer's
+    version as an accumulation into a view does. The scaler must unscale it."""
+    build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (41, 37, 37)])
+
+    def loop(params, opt, scaler, zero_grad):
+        held, outcomes = None, []
+        for step in range(3):
+            if step == 1:
+                held = params[1].grad  # noqa: F841 (kept alive on purpose)
+                params[1].grad = None
+            for _ in range(accumulate):
+                scaler.scale(sum((p * p).sum() for p in params)).backward()
+            scaler.unscale_(opt)
+            outcomes.append([p.grad.abs().max().item() for p in params])
+            scaler.step(opt)
+            scaler.update()
+            zero_grad()
+        return outcomes
+
+    _run_both(backend, build, loop)

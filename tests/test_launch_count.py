@@ -188,19 +188,27 @@ def test_bucket_fast_path_sees_assignment_after_backward(backend):
 
 
 
+@pytest.mark.parametrize("zero", ["buckets", "zero_grad(set_to_none=False)"])
 @pytest.mark.parametrize("sizes", [(5, 9, 3), (0, 5, 9, 0), (7,)])
-def test_the_bucket_fast_path_is_taken_in_the_steady_state(sizes):
+def test_the_bucket_fast_path_is_taken_in_the_steady_state(sizes, zero):
     """With every grad its view and every parameter given a gradient, each step's bucket
-    check is O(1) (no per-parameter pass), also when the first or last parameter is empty
-    (whose view's data_ptr() is 0, so it cannot be the address checked)."""
+    check is O(1) (no per-parameter pass): with either way of zeroing, with gradient
+    accumulation, and when the first or last parameter is empty (whose view's data_ptr() is
+    0, so it cannot be the address checked)."""
     params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
-    buckets = GradBuckets(torch.optim.SGD(params, lr=0.1))
+    opt = torch.optim.SGD(params, lr=0.1)
+    buckets = GradBuckets(opt)
     (bucket,) = buckets.buckets
-    for _ in range(2):
-        buckets.zero_()
-        sum((p * p).sum() for p in params).backward()
-        assert bucket.all_views_in_place()
+    for step in range(3):
+        if zero == "buckets" or step == 0:
+            buckets.zero_()
+        else:
+            opt.zero_grad(set_to_none=False)
+        for _ in range(step + 1):  # gradient accumulation
+            sum((p * p).sum() for p in params).backward()
+        assert bucket.all_views_in_place() and bucket.accumulated_in_views()
         assert bucket.attach_grads() is bucket.param_ids
+        assert bucket.attach_grads() is bucket.param_ids  # a second check (the fused step)
     held = [p.grad for p in params]  # old views alive while zero_grad() replaces the grads
     torch.optim.SGD(params, lr=0.1).zero_grad()
     sum((p * p).sum() for p in params).backward()

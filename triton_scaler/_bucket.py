@@ -71,6 +71,11 @@ class GradBucket:
         self._index = {id(p): i for i, p in enumerate(params)}
         self._hooks = [p.register_post_accumulate_grad_hook(
             functools.partial(self.received.__setitem__, i)) for i, p in enumerate(params)]
+        # Every accumulation since the last check, to compare with the buffer's version: one
+        # into a view bumps it, one that makes a new grad (the grad was None) does not.
+        self._accumulations: list[torch.Tensor] = []
+        self._hooks += [p.register_post_accumulate_grad_hook(self._accumulations.append)
+                        for p in params]
         self._all_views_refs = _storage_refs(self.buffer) + len(params)
         # the first and last non-empty parameters (an empty tensor's data_ptr() is 0)
         filled = [i for i, p in enumerate(params) if p.numel()]
@@ -83,6 +88,7 @@ class GradBucket:
                     view.copy_(p.grad)
                     self.received[i] = p
                 p.grad = view
+        self.checked()
 
     def view(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s gradient view into the buffer (a new tensor object each call)."""
@@ -95,6 +101,16 @@ class GradBucket:
                 and grad.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
                 and grad.storage_offset() == offset and grad.shape == shape
                 and grad.stride() == strides and grad.dtype == self.dtype)
+
+    def checked(self) -> None:
+        """Start counting accumulations and buffer writes afresh (after a check or a fill)."""
+        self._accumulations.clear()
+        self._version = self.buffer._version
+
+    def accumulated_in_views(self) -> bool:
+        """O(1): every accumulation since :meth:`checked` can have gone into a view (each
+        bumps the buffer's version; other writes only add). False when one made a new grad."""
+        return self.buffer._version - self._version >= len(self._accumulations)
 
     def all_views_in_place(self) -> bool:
         """O(1): every parameter's grad is still a live view of the buffer, by the storage's
@@ -124,8 +140,10 @@ class GradBucket:
         """
         received = self.received
         # (not after we set a grad to None: a view of it held elsewhere keeps the count)
-        if not self._unset_by_us and len(received) == len(self.params) and \
-                self.all_views_in_place():
+        fast = not self._unset_by_us and len(received) == len(self.params) and \
+            self.accumulated_in_views() and self.all_views_in_place()
+        self.checked()
+        if fast:
             return self.param_ids  # the O(1) path: nothing to do
         detached, quiet, unset, held, dropped = [], [], [], [], []
         for i, p in enumerate(self.params):

@@ -104,6 +104,7 @@ class GradBuckets:
             bucket._unset_by_us.clear()
             bucket._zeroed.clear()
             bucket.buffer.zero_()
+            bucket.checked()
         if self._optimizer is not None:
             for p in self._params_outside(recheck):  # as torch's zero_grad() leaves them
                 p.grad = None
