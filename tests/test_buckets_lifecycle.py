@@ -352,3 +352,31 @@ def test_a_middle_grad_set_to_none_while_its_view_is_held_is_seen(backend, accum
         return outcomes
 
     _run_both(backend, build, loop)
+
+
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
+def test_a_grad_left_none_is_seen_when_a_later_backward_makes_it(backend):
+    """A held view, ``zero_grad()`` (views detached), a step in which one parameter takes no
+    part (its grad stays None), then ``zero_grad(set_to_none=False)`` (the others zeroed in
+    place: version bumps as accumulations would make) and a step that gives it a new grad
+    outside the bucket: the held view keeps the storage's count, the first and last grads
+    are views, so only knowing that its grad was None at the last check finds it (found by
+    the random clip sweep)."""
+    build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (41, 37, 20, 37)])
+
+    def loop(params, opt, scaler, zero_grad):
+        held, outcomes = None, []
+        for step in range(3):
+            used = (0, 1, 3) if step == 1 else (0, 1, 2, 3)
+            scaler.scale(sum((params[i] * params[i]).sum() for i in used)).backward()
+            if step == 0:
+                held = params[1].grad  # noqa: F841 (kept alive on purpose)
+            scaler.unscale_(opt)
+            outcomes.append([None if p.grad is None else p.grad.abs().max().item()
+                             for p in params])
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=step == 0)
+        return outcomes
+
+    assert _run_both(backend, build, loop)[1][2] is None

@@ -67,6 +67,10 @@ class GradBucket:
         # optimizers skip them (no weight decay, momentum or state for unused or frozen ones).
         self.received: dict[int, torch.Tensor] = {}
         self._unset_by_us: set[int] = set()
+        # Parameters whose grad was not their view at the last check (None, or outside): the
+        # O(1) check cannot vouch for them (a view held elsewhere keeps the storage's count,
+        # and zeroing the others in place bumps the version as accumulations would)
+        self.not_views: set[int] = set()
         self._zeroed: set[int] = set()  # views zeroed while their grad is None
         self._index = {id(p): i for i, p in enumerate(params)}
         self._hooks = [p.register_post_accumulate_grad_hook(
@@ -139,8 +143,7 @@ class GradBucket:
         per-tensor path (``"warn"``); both warn once.
         """
         received = self.received
-        # (not after we set a grad to None: a view of it held elsewhere keeps the count)
-        fast = not self._unset_by_us and len(received) == len(self.params) and \
+        fast = not self.not_views and len(received) == len(self.params) and \
             self.accumulated_in_views() and self.all_views_in_place()
         self.checked()
         if fast:
@@ -188,6 +191,7 @@ class GradBucket:
                     stacklevel=5)
             outside |= self._reattach(detached, self._on_detach == "reattach")
         ids = frozenset(id(self.params[i]) for i in held + quiet + detached) - outside
+        self.not_views = set(unset + dropped) | {self._index[pid] for pid in outside}
         return self.param_ids if len(ids) == len(self.params) else ids
 
     def buffer_rewritten(self) -> None:
