@@ -1,0 +1,166 @@
+"""GradBuckets where the user writes into a grad view or keeps views alive while grads come
+and go: the O(1) bucket check must never take a grad outside the bucket for one inside it.
+Each case runs the same loop under torch's scaler without buckets and under ours and
+compares every call's outcome, every parameter and the optimizer state. (Found by
+tests/test_random_clip.py.)"""
+
+import math
+
+import pytest
+import torch
+from _bucket_loops import bucketed, run_both
+
+from triton_scaler import GradScaler
+
+
+@pytest.mark.parametrize("route", ["unscale_", "clip_inf", "clip_2", "fused"])
+@pytest.mark.parametrize("written", [math.inf, math.nan, 1e3])
+def test_what_is_written_into_the_view_of_a_parameter_without_gradient_does_not_count(
+        backend, route, written):
+    """With buckets, a parameter that received no gradient still shows its (zero) view as
+    ``.grad`` until the scaler sets it to None; torch's grad is None there. A value written
+    into that view (gradient-processing code over every ``p.grad``) is no grad: it must not
+    flag an overflow, enter the clip's norm or reach the parameter (found by a random sweep
+    of clip_grad_norm_ with GradBuckets)."""
+    fused = route == "fused"
+    build = bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (5, 4099, 3, 33)],
+                      lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=fused))
+
+    def loop(params, opt, scaler, zero_grad):
+        outcomes = []
+        for step in range(3):
+            used = (0, 1, 3) if step == 1 else (0, 1, 2, 3)  # step 1: the third unused
+            scaler.scale(sum((params[i] * params[i]).sum() for i in used)).backward()
+            if params[2].grad is not None and step == 1:  # ours only: torch's is None
+                params[2].grad.view(-1)[-1] = written
+            if route == "unscale_":
+                scaler.unscale_(opt)
+            elif route != "fused":
+                norm_type = math.inf if route == "clip_inf" else 2.0
+                if isinstance(scaler, GradScaler):
+                    norm = scaler.clip_grad_norm_(opt, 1e9, norm_type)
+                else:
+                    scaler.unscale_(opt)
+                    norm = torch.nn.utils.clip_grad_norm_(
+                        [p for p in params if p.grad is not None], 1e9, norm_type)
+                outcomes.append(float(f"{norm.item():.6g}"))  # the Triton 2-norm's order
+            scaler.step(opt)
+            scaler.update()
+            outcomes.append((scaler.get_scale(), [p.grad is None for p in params]))
+            zero_grad()
+        return outcomes
+
+    outcomes = [o for o in run_both(backend, build, loop) if isinstance(o, tuple)]
+    assert outcomes[1] == (16.0, [False, False, True, False])  # step 1 not skipped
+
+
+def _held_view_loop(sizes, unused, held, zeros):
+    """(build, loop) for run_both: parameter ``unused`` takes no part in step 1; from step
+    ``held[0]`` the user keeps parameter ``held[1]``'s grad alive; after step k,
+    ``zeros[k]``: "default" (ours ``buckets.zero_()``, torch ``zero_grad()``), "none" or
+    "keep" (``optimizer.zero_grad(set_to_none=True / False)``). Each step's outcome: every
+    grad's max after ``unscale_`` (None for no grad)."""
+    build = bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in sizes])
+
+    def loop(params, opt, scaler, zero_grad):
+        kept, outcomes = None, []  # noqa: F841 (kept alive on purpose)
+        for step, zero in enumerate(zeros):
+            used = [i for i in range(len(params)) if step != 1 or i != unused]
+            scaler.scale(sum((params[i] * params[i]).sum() for i in used)).backward()
+            if step == held[0]:
+                kept = params[held[1]].grad  # noqa: F841 (ours: its view)
+            scaler.unscale_(opt)
+            outcomes.append([None if p.grad is None else p.grad.abs().max().item()
+                             for p in params])
+            scaler.step(opt)
+            scaler.update()
+            if zero == "default":
+                zero_grad()
+            else:
+                opt.zero_grad(set_to_none=zero == "none")
+        return outcomes
+    return build, loop
+
+
+def test_a_held_view_does_not_hide_a_grad_the_scaler_set_to_none(backend):
+    """The user holds a grad (a loop variable, a list for logging); the parameter then takes
+    no part in a step (the scaler sets its grad None), ``zero_grad(set_to_none=False)`` keeps
+    None, and the next backward gives it a new grad outside the bucket. The held view keeps
+    the storage's count of live views as before: the scaler must still see the new grad and
+    unscale it (found by a random sweep of clip_grad_norm_ with GradBuckets)."""
+    outcomes = run_both(backend, *_held_view_loop((5, 37), 0, (1, 0),
+                                                  ["default", "keep", "keep", "keep"]))
+    assert outcomes[1][0] is None and outcomes[2][0] is not None
+
+
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
+@pytest.mark.parametrize("n_params", [1, 3])
+def test_grads_replaced_while_a_list_holds_the_old_views_are_seen(backend, n_params):
+    """``zero_grad()`` (set_to_none=True) detaches every view while a list made after
+    ``unscale_`` (for logging) holds them into the next step: the storage then counts as many
+    live views as before, but every grad is new. The scaler must still unscale them (it
+    copies them back into the bucket and warns)."""
+    build = bucketed(lambda: [torch.nn.Parameter(torch.randn(5 + i)) for i in range(n_params)])
+
+    def loop(params, opt, scaler, zero_grad):
+        logged, outcomes = None, []  # noqa: F841 (kept alive on purpose)
+        for _ in range(3):
+            scaler.scale(sum((p * p).sum() for p in params)).backward()
+            scaler.unscale_(opt)
+            outcomes.append([p.grad.abs().max().item() for p in params])
+            logged = [p.grad for p in params]  # noqa: F841
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return outcomes
+
+    run_both(backend, build, loop)
+
+
+def test_zero_gives_back_the_view_of_a_grad_the_scaler_set_to_none(backend):
+    """A middle parameter takes no part in a step (the scaler sets its grad None) while the
+    user holds its old view; ``buckets.zero_()`` must give it its view back, or the next
+    backward makes it a new grad outside the bucket that the O(1) check, fooled by the held
+    view, would leave scaled (found by the random clip sweep)."""
+    outcomes = run_both(backend, *_held_view_loop((41, 37, 37), 1, (0, 1), ["default"] * 3))
+    assert outcomes[1][1] is None
+
+
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_a_middle_grad_set_to_none_while_its_view_is_held_is_seen(backend, accumulate):
+    """The user sets a middle parameter's grad to None before the backward while holding its
+    old view: the storage keeps its count of live views and the first and last grads are
+    views, but the backward's accumulation made a new grad, which does not bump the buffer's
+    version as an accumulation into a view does. The scaler must unscale it."""
+    build = bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (41, 37, 37)])
+
+    def loop(params, opt, scaler, zero_grad):
+        held, outcomes = None, []
+        for step in range(3):
+            if step == 1:
+                held = params[1].grad  # noqa: F841 (kept alive on purpose)
+                params[1].grad = None
+            for _ in range(accumulate):
+                scaler.scale(sum((p * p).sum() for p in params)).backward()
+            scaler.unscale_(opt)
+            outcomes.append([p.grad.abs().max().item() for p in params])
+            scaler.step(opt)
+            scaler.update()
+            zero_grad()
+        return outcomes
+
+    run_both(backend, build, loop)
+
+
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
+def test_a_grad_left_none_is_seen_when_a_later_backward_makes_it(backend):
+    """A held view, ``zero_grad()`` (views detached), a step in which one parameter takes no
+    part (its grad stays None), then ``zero_grad(set_to_none=False)`` (the others zeroed in
+    place: version bumps as accumulations would make) and a step that gives it a new grad
+    outside the bucket: the held view keeps the storage's count, the first and last grads
+    are views, so only knowing that its grad was None at the last check finds it (found by
+    the random clip sweep)."""
+    outcomes = run_both(backend, *_held_view_loop((41, 37, 20, 37), 2, (0, 1),
+                                                  ["none", "keep", "keep"]))
+    assert outcomes[1][2] is None
