@@ -4,6 +4,7 @@ stays exact when grads are replaced (the no-bucket plans: test_plan_reuse.py).""
 
 import contextlib
 import gc
+import sys
 import weakref
 from collections import Counter
 
@@ -214,6 +215,21 @@ def test_the_bucket_fast_path_is_taken_in_the_steady_state(sizes, zero):
     sum((p * p).sum() for p in params).backward()
     assert not bucket.all_views_in_place() or not any(p.numel() for p in params)
     del held
+
+
+def test_counting_accumulations_holds_nothing():
+    """The bucket counts accumulations between its checks; with no check at all (a disabled
+    scaler, zero_grad(set_to_none=False)) that must not hold memory per backward."""
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = torch.optim.SGD([p], lr=0.1)
+    (bucket,) = GradBuckets(opt).buckets
+    counts = []
+    for _ in range(50):
+        (p * p).sum().backward()
+        opt.zero_grad(set_to_none=False)
+        counts.append(sys.getrefcount(p))
+    assert counts[-1] == counts[0]
+    assert bucket.accumulated_in_views()
 
 def test_no_grad_is_kept_alive_between_steps(backend):
     """zero_grad(set_to_none=True) must free the grads: the scaler's caches hold addresses

@@ -4,6 +4,8 @@ the grads, and the way back when they are not. :class:`triton_scaler.GradBuckets
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import warnings
 
 import torch
@@ -75,11 +77,12 @@ class GradBucket:
         self._index = {id(p): i for i, p in enumerate(params)}
         self._hooks = [p.register_post_accumulate_grad_hook(
             functools.partial(self.received.__setitem__, i)) for i, p in enumerate(params)]
-        # Every accumulation since the last check, to compare with the buffer's version: one
-        # into a view bumps it, one that makes a new grad (the grad was None) does not.
-        self._accumulations: list[torch.Tensor] = []
-        self._hooks += [p.register_post_accumulate_grad_hook(self._accumulations.append)
-                        for p in params]
+        # Accumulations are counted, to compare with the buffer's version: one into a view
+        # bumps it, one that makes a new grad (the grad was None) does not. Each takes one
+        # item of a long repeat (a C call, no memory held); the count is what it has left.
+        self._countdown = itertools.repeat(None, 2**62)
+        self._hooks += [p.register_post_accumulate_grad_hook(
+            functools.partial(next, self._countdown)) for p in params]
         self._all_views_refs = _storage_refs(self.buffer) + len(params)
         # the first and last non-empty parameters (an empty tensor's data_ptr() is 0)
         filled = [i for i, p in enumerate(params) if p.numel()]
@@ -108,13 +111,14 @@ class GradBucket:
 
     def checked(self) -> None:
         """Start counting accumulations and buffer writes afresh (after a check or a fill)."""
-        self._accumulations.clear()
+        self._left = operator.length_hint(self._countdown)
         self._version = self.buffer._version
 
     def accumulated_in_views(self) -> bool:
         """O(1): every accumulation since :meth:`checked` can have gone into a view (each
         bumps the buffer's version; other writes only add). False when one made a new grad."""
-        return self.buffer._version - self._version >= len(self._accumulations)
+        accumulations = self._left - operator.length_hint(self._countdown)
+        return self.buffer._version - self._version >= accumulations
 
     def all_views_in_place(self) -> bool:
         """O(1): every parameter's grad is still a live view of the buffer, by the storage's
