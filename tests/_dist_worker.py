@@ -8,8 +8,8 @@ import torch.distributed as dist
 from _engines import _init_group
 
 
-def run(rank, world_size, port, optimizer_name, backend, overflow_steps, out_dir):
-    _init_group(rank, world_size, port)
+def run(rank, world_size, store_file, optimizer_name, backend, overflow_steps, out_dir):
+    _init_group(rank, world_size, store_file)
     try:
         from triton_scaler import GradScaler
 

@@ -6,7 +6,6 @@ import datetime
 import faulthandler
 import math
 import os
-import socket
 import sys
 import time
 
@@ -177,16 +176,18 @@ def train(engine, kind, backend, injection, rank, settings=None, checkpoint_at=N
             "raised_at": raised_at}
 
 
-def _init_group(rank, world_size, port):
+def _init_group(rank, world_size, store_file):
+    """The gloo group, met through a file store (``store_file``, see :func:`store_file_in`)
+    rather than a TCP store on a port picked beforehand: a port found free by the parent can
+    be taken by another test run on the machine before rank 0 listens on it (EADDRINUSE, seen
+    with two suites at once). gloo's own connections take ports the OS hands out."""
     faulthandler.enable(all_threads=True)  # a rank that aborts shows where (stderr)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
 
 
-def run(rank, world_size, port, backend, engines, out_dir):
-    _init_group(rank, world_size, port)
+def run(rank, world_size, store_file, backend, engines, out_dir):
+    _init_group(rank, world_size, store_file)
     try:
         results = {}
         for engine in engines:
@@ -213,20 +214,20 @@ def attempt(results: dict, key, fn, *args) -> None:
 
 def spawned_results(cache: dict, name: str, fn, tmp_path_factory, *args, timeout_s=300,
                     world_size=2):
-    """Every rank's saved results of one spawn of ``fn(rank, world_size, port, *args,
+    """Every rank's saved results of one spawn of ``fn(rank, world_size, store_file, *args,
     out_dir)``, cached under ``name``: one spawn (seconds) serves every test that reads it."""
     if name not in cache:
         out = tmp_path_factory.mktemp(name)
-        spawn_bounded(fn, (world_size, free_port(), *args, str(out)), nprocs=world_size,
+        spawn_bounded(fn, (world_size, store_file_in(out), *args, str(out)), nprocs=world_size,
                       timeout_s=timeout_s)
         cache[name] = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
     return cache[name]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def store_file_in(folder) -> str:
+    """The rendezvous file of one spawn: in that spawn's own new temporary folder, so no two
+    spawns (nor two test runs) share one, and it does not exist yet, as a file store needs."""
+    return os.path.join(os.path.abspath(folder), "rendezvous")
 
 
 def spawn_bounded(fn, args, *, nprocs=2, timeout_s=300):
@@ -253,12 +254,12 @@ def _exit_after(rank, fn, *args):
     os._exit(0)
 
 
-def run_buckets(rank, world_size, port, backend, out_dir):
+def run_buckets(rank, world_size, store_file, backend, out_dir):
     """GradBuckets against the engines: refused for FSDP2's DTensor parameters and for DDP's
     own bucket views (with advice), exact with DDP(gradient_as_bucket_view=False)."""
     from triton_scaler import GradBuckets, GradScaler
 
-    _init_group(rank, world_size, port)
+    _init_group(rank, world_size, store_file)
     results = {}
     try:
         fsdp2, (opt,) = _wrap("fsdp2", _model())

@@ -26,8 +26,8 @@ FEATURES = {
 }
 
 
-def run_features(rank, world_size, port, backend, out_dir):
-    _init_group(rank, world_size, port)
+def run_features(rank, world_size, store_file, backend, out_dir):
+    _init_group(rank, world_size, store_file)
     try:
         results = {}
         for engine in FEATURE_ENGINES:

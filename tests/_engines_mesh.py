@@ -51,8 +51,8 @@ def first_grad_replicated(kind, backend, rank):
     return scaler.get_scale(), all(torch.equal(a, b) for a, b in zip(before, after))
 
 
-def run_mesh(rank, world_size, port, backend, out_dir):
-    _init_group(rank, world_size, port)
+def run_mesh(rank, world_size, store_file, backend, out_dir):
+    _init_group(rank, world_size, store_file)
     try:
         results = {}
         for engine in MESH_ENGINES:

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist_worker import run
-from _engines import free_port, spawn_bounded
+from _engines import spawn_bounded, store_file_in
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 @pytest.mark.parametrize("optimizer_name", ["sgd_momentum", "adamw_fused"])
 def test_ranks_agree_on_overflow(tmp_path, backend, optimizer_name):
     overflow_steps = (2, 3, 7)
-    spawn_bounded(run, (2, free_port(), optimizer_name, backend, overflow_steps, str(tmp_path)),
+    spawn_bounded(run, (2, store_file_in(tmp_path), optimizer_name, backend, overflow_steps, str(tmp_path)),
                   timeout_s=180)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     assert results[0]["skipped"] == results[1]["skipped"] == list(overflow_steps)

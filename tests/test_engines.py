@@ -1,11 +1,12 @@
 """torch's distributed engines (FSDP2 with DTensor grads, also with fp16 MixedPrecisionPolicy;
 DDP with and without gradient_as_bucket_view; FSDP1 with and without use_orig_params) × both
-backends, 2 gloo ranks on 127.0.0.1; FSDP2 on a 2-D mesh (HSDP, tensor parallel x FSDP2) with
-4 ranks. Rank 1 (on the 2-D meshes: see ``_engines.overflowing_ranks``) overflows at some
-steps, either in its loss (the engine's reduction spreads it) or in its own grad shard after
-backward (only agreement saves the step). Scale trajectory, skipped steps and final full
-parameters must equal the same run with torch's scaler (``torch.amp.GradScaler`` for FSDP2,
-which agrees through DTensor dispatch; ``ShardedGradScaler`` for DDP and FSDP1)."""
+backends, 2 gloo ranks on this machine (met through a file store); FSDP2 on a 2-D mesh (HSDP,
+tensor parallel x FSDP2) with 4 ranks. Rank 1 (on the 2-D meshes: see
+``_engines.overflowing_ranks``) overflows at some steps, either in its loss (the engine's
+reduction spreads it) or in its own grad shard after backward (only agreement saves the step).
+Scale trajectory, skipped steps and final full parameters must equal the same run with torch's
+scaler (``torch.amp.GradScaler`` for FSDP2, which agrees through DTensor dispatch;
+``ShardedGradScaler`` for DDP and FSDP1)."""
 
 import math
 import os
@@ -18,11 +19,11 @@ from _engines import (
     INJECTIONS,
     MESH_ENGINES,
     OVERFLOW_STEPS,
-    free_port,
     run,
     run_buckets,
     spawn_bounded,
     spawned_results,
+    store_file_in,
 )
 from _engines_clip import CLIP_CASES, CLIP_ENGINES, run_clip, run_clip_engines
 from _engines_mesh import mesh_results
@@ -62,7 +63,7 @@ def test_engine_matches_torchs_scaler(backend, engine, injection, tmp_path_facto
 
 
 def test_grad_buckets_with_the_engines(backend, tmp_path):
-    spawn_bounded(run_buckets, (2, free_port(), backend, str(tmp_path)), timeout_s=180)
+    spawn_bounded(run_buckets, (2, store_file_in(tmp_path), backend, str(tmp_path)), timeout_s=180)
     for rank in (0, 1):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         assert "DTensor, not a plain tensor" in results["fsdp2"]
@@ -87,7 +88,7 @@ def test_other_tensor_subclasses_are_refused_by_the_triton_backend():
 
 
 def test_clip_grad_norm_is_global_with_a_process_group(backend, tmp_path):
-    spawn_bounded(run_clip, (2, free_port(), backend, str(tmp_path)), timeout_s=180)
+    spawn_bounded(run_clip, (2, store_file_in(tmp_path), backend, str(tmp_path)), timeout_s=180)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     for case in CLIP_CASES:
         every = torch.cat([t.double().reshape(-1) for r in ranks for t in r[case]["targets"]])
