@@ -198,6 +198,20 @@ class GradBucket:
         self.not_views = set(unset + dropped) | {self._index[pid] for pid in outside}
         return self.param_ids if len(ids) == len(self.params) else ids
 
+    def zero_(self) -> None:
+        """One fill of the buffer, every grad its view again, and this step's records
+        cleared. The re-pointing loop runs only when needed: when the O(1) check fails, or
+        when grads were not views at the last check (a view held elsewhere may keep the
+        storage's count)."""
+        if self.not_views or not self.all_views_in_place():
+            self._repoint()
+        self.not_views.clear()
+        self.received.clear()
+        self._unset_by_us.clear()
+        self._zeroed.clear()
+        self.buffer.zero_()
+        self.checked()
+
     def buffer_rewritten(self) -> None:
         """A write pass over the whole buffer that may not keep zeros zero ran (0 * a NaN
         clip coefficient): the views of parameters whose grad is None are zeroed again at

@@ -96,16 +96,7 @@ class GradBuckets:
         # place in its group): look for parameters outside the buckets again
         recheck = any(len(b.received) < len(b.params) for b in self.buckets)
         for bucket in self.buckets:
-            # O(1) check, the loop only when needed: also when grads were not views at the
-            # last check (a view held elsewhere may keep the storage's count)
-            if bucket.not_views or not bucket.all_views_in_place():
-                bucket._repoint()
-            bucket.not_views.clear()
-            bucket.received.clear()
-            bucket._unset_by_us.clear()
-            bucket._zeroed.clear()
-            bucket.buffer.zero_()
-            bucket.checked()
+            bucket.zero_()
         if self._optimizer is not None:
             for p in self._params_outside(recheck):  # as torch's zero_grad() leaves them
                 p.grad = None
