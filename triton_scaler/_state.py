@@ -170,15 +170,18 @@ class ScalerStateMixin:
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (finite, > 1); takes effect on the device, also inside CUDA
-        graphs. ``ValueError`` / ``TypeError`` (nothing changed) for a bad value."""
+        graphs. ``ValueError`` / ``TypeError`` (nothing changed) for a bad value. Does not
+        synchronise (a stream-ordered upload of the policy's float64 device buffer)."""
         self._set_policy(self._policy.replace(growth_factor=new_factor))
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in ``[2**-126, 1)``); takes effect on the device."""
+        """Set the backoff factor (in ``[2**-126, 1)``); takes effect on the device. Does not
+        synchronise."""
         self._set_policy(self._policy.replace(backoff_factor=new_factor))
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (int in ``[1, 2**31 - 1]``); takes effect on the device."""
+        """Set the growth interval (int in ``[1, 2**31 - 1]``); takes effect on the device. Does
+        not synchronise."""
         self._set_policy(self._policy.replace(growth_interval=new_interval))
 
     # ---------------------------------------------------------------- checkpoints
@@ -198,7 +201,9 @@ class ScalerStateMixin:
         """Load a state_dict of this class or of ``torch.amp.GradScaler`` (whose missing
         extension keys keep this instance's settings). Every key is validated, with the
         constructor's rules, before anything changes: on error the scaler is untouched and
-        the error names the key. Unknown keys are ignored, as torch. A no-op when disabled."""
+        the error names the key. Unknown keys are ignored, as torch. A no-op when disabled.
+        The device state is filled in place (no sync); a dict without ``_hysteresis_tracker``
+        (torch's) reads this scaler's tracker once (a host read)."""
         if not self._enabled:
             return
         if not isinstance(state_dict, dict):

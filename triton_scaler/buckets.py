@@ -29,6 +29,11 @@ class GradBuckets:
     Use :meth:`zero_` (one fill per bucket) instead of ``optimizer.zero_grad()``. Parameters
     added to the optimizer later are unscaled by the per-tensor path. Buckets hold no state of
     their own: model and optimizer checkpoints are unaffected.
+
+    One buffer per (device, dtype) of the parameters (CPU or CUDA; float32, float16,
+    bfloat16), 16-byte aligned; grads present when it is built are copied in. No method
+    synchronises with the host: they issue device ops (allocation, copies, fills) and read
+    only host metadata (versions, addresses).
     """
 
     def __init__(
