@@ -18,7 +18,8 @@ def _progress(iterable, total: int, desc: str):
         from tqdm import tqdm
     except ImportError:  # tqdm is an optional extra ("demo")
         return iterable
-    return tqdm(iterable, total=total, desc=desc, leave=False)
+    # disable=None: no bar when the output is not a terminal (a log, a pipe, CI)
+    return tqdm(iterable, total=total, desc=desc, leave=False, disable=None)
 
 
 def _model(device: torch.device) -> torch.nn.Module:
