@@ -120,7 +120,13 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ device work
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        """torch's private, same arguments and result (``{device: found_inf}``). A subclass
+        may override it (fairscale / fairseq pass ``allow_fp16=True`` to unscale fp16 grads):
+        :meth:`unscale_` and :meth:`_check_inf_per_device` then call it as torch's do."""
         return self._unscale_or_check(optimizer, inv_scale, found_inf, allow_fp16, write=True)
+
+    def _overrides_unscale_grads(self) -> bool:
+        return type(self)._unscale_grads_ is not GradScaler._unscale_grads_
 
     def _unscale_or_check(self, optimizer, inv_scale, found_inf, allow_fp16, *, write):
         """Group the optimizer's grads by (device, dtype), as torch does, and run one fused op
@@ -149,8 +155,12 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         if not self._enabled:
             return
         state = self._ready_to_unscale(optimizer, "unscale_")
-        per_device = self._unscale_or_check(optimizer, None, self._found_inf_flag(state),
-                                            False, write=True)
+        found_inf = self._found_inf_flag(state)
+        if self._overrides_unscale_grads():  # as torch: its inv_scale, through the override
+            inv_scale = self._scale.double().reciprocal().float()
+            per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
+        else:  # the kernels form inv_scale from the scale (no extra op)
+            per_device = self._unscale_or_check(optimizer, None, found_inf, False, write=True)
         state["found_inf_per_device"] = per_device
         state["stage"] = OptState.UNSCALED
         if per_device:  # none: torch raises in step(), not here
@@ -172,8 +182,13 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         """Read-only inf/NaN check of the optimizer's grads (the fused-optimizer route)."""
         self._check_scale_growth_tracker("_check_inf_per_device")
         state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = self._unscale_or_check(
-            optimizer, None, self._found_inf_flag(state), True, write=False)
+        found_inf = self._found_inf_flag(state)
+        if self._overrides_unscale_grads():  # as torch: an unscale by 1.0 through the override
+            ones = torch.ones((), dtype=torch.float32, device=self._scale.device)
+            state["found_inf_per_device"] = self._unscale_grads_(optimizer, ones, found_inf, True)
+        else:
+            state["found_inf_per_device"] = self._unscale_or_check(optimizer, None, found_inf,
+                                                                   True, write=False)
         state.pop("found_inf_agreed", None)
         return state["found_inf_per_device"]
 

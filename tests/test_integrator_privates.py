@@ -1,0 +1,134 @@
+"""The privates that integrators use, against torch's: ``_unscale_grads_`` (called directly, or
+overridden by a subclass as fairscale / fairseq do to unscale fp16 grads),
+``_check_inf_per_device`` and ``_per_optimizer_states``, then ``update()`` without ``step()``."""
+
+import math
+
+import pytest
+import torch
+from _util import assert_all_same
+
+from triton_scaler import GradScaler
+
+
+def _params(dtype, special=None, where=(0, 0)):
+    """Two parameters of odd sizes whose grads are finite, or hold ``special`` at ``where``
+    (tensor, index)."""
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in (7, 1025)]
+    for i, p in enumerate(params):
+        p.grad = torch.linspace(-3.0, 5.0, p.numel()).to(dtype) * 64.0 * (i + 1)
+    if special is not None:
+        params[where[0]].grad[where[1]] = special
+    return params
+
+
+def _values(per_device: dict) -> list[tuple[torch.device, float]]:
+    return [(device, t.item()) for device, t in per_device.items()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("special, where", [(None, None), (math.inf, (0, 0)),
+                                            (-math.inf, (1, -1)), (math.nan, (1, 0))])
+def test_private_calls_match_torch(backend, dtype, special, where):
+    """apex / NeMo-style code: ``_unscale_grads_`` with its own inv_scale and found_inf (fp16
+    allowed), the read-only ``_check_inf_per_device``, the per-optimizer record, ``update()``."""
+    results = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1),
+                   GradScaler("cpu", init_scale=2.0**10, growth_interval=1, backend=backend)):
+        params = _params(dtype, special, where)
+        opt = torch.optim.SGD(params, lr=0.1)
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        inv_scale = torch.full((), 1.0 / 512, dtype=torch.float32)
+        unscaled = _values(scaler._unscale_grads_(opt, inv_scale, torch.zeros(()), True))
+        grads = [p.grad.clone() for p in params]
+        checked = _values(scaler._check_inf_per_device(opt))
+        recorded = _values(scaler._per_optimizer_states[id(opt)]["found_inf_per_device"])
+        assert_all_same([p.grad for p in params], grads)  # the check leaves them as they are
+        scaler.update()
+        results.append((grads, unscaled, checked, recorded, scaler.get_scale(),
+                        scaler._growth_tracker.item()))
+    theirs, ours = results
+    assert_all_same(ours[0], theirs[0])
+    assert ours[1:] == theirs[1:]
+    assert ours[1] == [(torch.device("cpu"), 0.0 if special is None else 1.0)]
+
+
+def _fp16_unscaling(base):
+    """A subclass of ``base`` that unscales fp16 grads, as fairscale's and fairseq's do, and
+    records how it is called."""
+
+    class Fp16Unscaling(base):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            self.calls.append((inv_scale.item(), allow_fp16))
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+    return Fp16Unscaling
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_subclass_overriding_unscale_grads_is_called_as_torchs(backend, fused):
+    """A pure fp16 model through a subclass that allows fp16 grads: torch's ``unscale_`` and
+    fused route call the override; ours too, with the same arguments, and training (with
+    clipping, an overflow and a skipped step) ends bit-identical."""
+    runs = []
+    for make in (lambda: _fp16_unscaling(torch.amp.GradScaler)("cpu", init_scale=2.0**8,
+                                                                  growth_interval=2),
+                 lambda: _fp16_unscaling(GradScaler)("cpu", init_scale=2.0**8,
+                                                      growth_interval=2, backend=backend)):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(33, 5).half()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=fused)
+        scaler = make()
+        scaler.calls = []
+        scales = []
+        for step in range(5):
+            opt.zero_grad()
+            x = torch.randn(4, 33).half() * (math.inf if step == 2 else 1.0)
+            scaler.scale(model(x).float().square().mean()).backward()
+            if not fused:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        runs.append(([p.detach().clone() for p in model.parameters()], scales, scaler.calls))
+    (theirs, their_scales, their_calls), (ours, our_scales, our_calls) = runs
+    assert_all_same(ours, theirs)
+    assert our_scales == their_scales and our_calls == their_calls
+    assert len(our_calls) == 5 and {a for _, a in our_calls} == {fused}
+
+
+def _nemo_style(base):
+    """A subclass of ``base`` that decides the step itself, as NeMo's GradScaler does: it sums
+    the per-device found_inf of the optimizer state on the host."""
+
+    class DecidesTheStep(base):
+        def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+            found_inf = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())
+            self.skipped.append(found_inf != 0)
+            return None if found_inf else optimizer.step(*args, **kwargs)
+
+    return DecidesTheStep
+
+
+def test_a_subclass_deciding_the_step_sees_torchs_optimizer_state(backend):
+    runs = []
+    for make in (lambda: _nemo_style(torch.amp.GradScaler)("cpu", init_scale=2.0**8),
+                 lambda: _nemo_style(GradScaler)("cpu", init_scale=2.0**8, backend=backend)):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(33, 5)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        scaler = make()
+        scaler.skipped = []
+        for step in range(4):
+            opt.zero_grad()
+            x = torch.randn(4, 33) * (math.nan if step == 1 else 1.0)
+            scaler.scale(model(x).square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+        runs.append(([p.detach().clone() for p in model.parameters()], scaler.skipped,
+                     scaler.get_scale()))
+    (theirs, their_skips, their_scale), (ours, our_skips, our_scale) = runs
+    assert_all_same(ours, theirs)
+    assert our_skips == their_skips == [False, True, False, False]
+    assert our_scale == their_scale == 2.0**7
