@@ -38,8 +38,9 @@ def test_private_calls_match_torch(backend, dtype, special, where):
         params = _params(dtype, special, where)
         opt = torch.optim.SGD(params, lr=0.1)
         scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
-        inv_scale = torch.full((), 1.0 / 512, dtype=torch.float32)
-        unscaled = _values(scaler._unscale_grads_(opt, inv_scale, torch.zeros(()), True))
+        inv_scale, found_inf = torch.full((), 1.0 / 512, dtype=torch.float32), torch.zeros(())
+        unscaled = _values(scaler._unscale_grads_(opt, inv_scale, found_inf, True))
+        assert found_inf.item() == 0.0  # torch's returns copies: its argument stays as it was
         grads = [p.grad.clone() for p in params]
         checked = _values(scaler._check_inf_per_device(opt))
         recorded = _values(scaler._per_optimizer_states[id(opt)]["found_inf_per_device"])
@@ -65,11 +66,12 @@ def _fp16_unscaling(base):
     return Fp16Unscaling
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_subclass_overriding_unscale_grads_is_called_as_torchs(backend, fused):
+@pytest.mark.parametrize("fused, clip_ours", [(False, "torch"), (False, "scaler"), (True, None)])
+def test_a_subclass_overriding_unscale_grads_is_called_as_torchs(backend, fused, clip_ours):
     """A pure fp16 model through a subclass that allows fp16 grads: torch's ``unscale_`` and
-    fused route call the override; ours too, with the same arguments, and training (with
-    clipping, an overflow and a skipped step) ends bit-identical."""
+    fused route call the override; ours too (also ``scaler.clip_grad_norm_``), with the same
+    arguments, and training (with clipping, an overflow and a skipped step) ends
+    bit-identical."""
     runs = []
     for make in (lambda: _fp16_unscaling(torch.amp.GradScaler)("cpu", init_scale=2.0**8,
                                                                   growth_interval=2),
@@ -85,7 +87,9 @@ def test_a_subclass_overriding_unscale_grads_is_called_as_torchs(backend, fused)
             opt.zero_grad()
             x = torch.randn(4, 33).half() * (math.inf if step == 2 else 1.0)
             scaler.scale(model(x).float().square().mean()).backward()
-            if not fused:
+            if not fused and clip_ours == "scaler" and isinstance(scaler, GradScaler):
+                scaler.clip_grad_norm_(opt, 1.0)
+            elif not fused:
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(opt)

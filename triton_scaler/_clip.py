@@ -114,7 +114,8 @@ class ClipMixin:
         overflow; a later ``unscale_`` raises, as torch). Returns the total norm of the
         unscaled grads as a 0-d float32 tensor on the scale's device, accumulated in float32
         (also for bf16 / fp16 grads). ``norm_type`` 2 and ``inf`` run fused; other ``p > 0`` run
-        as ``unscale_`` + a clip. No host sync, except ``error_if_nonfinite=True`` (one read).
+        as ``unscale_`` + a clip, as does a subclass that overrides ``_unscale_grads_``. No
+        host sync, except ``error_if_nonfinite=True`` (one read).
         A disabled scaler clips with torch's ``clip_grad_norm_``. No grads: as torch, a 0
         norm and nothing recorded (``step`` then raises). Sparse grads raise, as in torch.
 
@@ -143,7 +144,8 @@ class ClipMixin:
             device = params[0].grad.device if params else torch.device("cpu")
             return _clip_unscaled(params, max_norm, norm_type, shard_group, device,
                                   error_if_nonfinite)
-        if norm_type not in (2.0, math.inf) or (not params and shard_group is None):
+        if norm_type not in (2.0, math.inf) or (not params and shard_group is None) or \
+                self._overrides_unscale_grads():  # a subclass's own unscale: through it
             self.unscale_(optimizer)  # no grads: as torch, unscale_ records none, norm 0
             device = self._scale.device
             if shard_group is None:

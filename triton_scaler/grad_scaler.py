@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState
+from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
 from . import ops
 from ._arguments import check_device, check_outputs, check_process_group
@@ -122,19 +122,23 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         """torch's private, same arguments and result (``{device: found_inf}``). A subclass
         may override it (fairscale / fairseq pass ``allow_fp16=True`` to unscale fp16 grads):
-        :meth:`unscale_` and :meth:`_check_inf_per_device` then call it as torch's do."""
-        return self._unscale_or_check(optimizer, inv_scale, found_inf, allow_fp16, write=True)
+        :meth:`unscale_` and :meth:`_check_inf_per_device` then call it as torch's do.
+        As torch's, it leaves ``found_inf`` as it is and returns a copy per device."""
+        return self._unscale_or_check(optimizer, inv_scale, found_inf, allow_fp16, write=True,
+                                      copy_found_inf=True)
 
     def _overrides_unscale_grads(self) -> bool:
         return type(self)._unscale_grads_ is not GradScaler._unscale_grads_
 
-    def _unscale_or_check(self, optimizer, inv_scale, found_inf, allow_fp16, *, write):
+    def _unscale_or_check(self, optimizer, inv_scale, found_inf, allow_fp16, *, write,
+                          copy_found_inf=False):
         """Group the optimizer's grads by (device, dtype), as torch does, and run one fused op
         per group and one per gradient bucket. ``inv_scale`` None: the kernels form it from
-        the scale. Returns found_inf per device."""
+        the scale. Returns found_inf per device: ``found_inf`` itself on its device, or
+        (``copy_found_inf``) copies of it, as torch's ``_MultiDeviceReplicator``."""
         from_scale = inv_scale is None
         per_device_inv_scale = PerDevice(self._scale if from_scale else inv_scale)
-        per_device_found_inf = PerDevice(found_inf)
+        per_device_found_inf = (_MultiDeviceReplicator if copy_found_inf else PerDevice)(found_inf)
         with torch.no_grad():
             groups, mesh_groups = grad_groups(optimizer, allow_fp16, self._backend)
             for group in groups:
