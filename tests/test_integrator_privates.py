@@ -136,3 +136,51 @@ def test_a_subclass_deciding_the_step_sees_torchs_optimizer_state(backend):
     assert_all_same(ours, theirs)
     assert our_skips == their_skips == [False, True, False, False]
     assert our_scale == their_scale == 2.0**7
+
+
+def _own_update(base):
+    """A subclass of ``base`` with its own ``update`` (NeMo's shape: combine the recorded
+    found_infs, ``torch._amp_update_scale_``, forget the iteration); ours never runs."""
+    from collections import defaultdict
+
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    class OwnUpdate(base):
+        def update(self, new_scale=None):
+            scale, growth_tracker = self._check_scale_growth_tracker("update")
+            found_infs = [f.to(scale.device) for state in self._per_optimizer_states.values()
+                          for f in state["found_inf_per_device"].values()]
+            combined = torch.stack(found_infs).amax()
+            torch._amp_update_scale_(scale, growth_tracker, combined, self._growth_factor,
+                                     self._backoff_factor, self._growth_interval)
+            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    return OwnUpdate
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_subclass_with_its_own_update_trains_as_torchs(backend, fused):
+    """Twelve iterations (more than the scaler's found_inf slots) with overflows at 2 and 9
+    under an ``update`` that never zeroes the scaler's flags: same skips, scales, parameters."""
+    runs = []
+    for make in (lambda: _own_update(torch.amp.GradScaler)("cpu", init_scale=2.0**8,
+                                                            growth_interval=3),
+                 lambda: _own_update(GradScaler)("cpu", init_scale=2.0**8, growth_interval=3,
+                                                 backend=backend)):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(33, 5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=fused)
+        scaler = make()
+        scales = []
+        for step in range(12):
+            opt.zero_grad()
+            x = torch.randn(4, 33) * (math.inf if step in (2, 9) else 1.0)
+            scaler.scale(model(x).square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        runs.append(([p.detach().clone() for p in model.parameters()], scales))
+    (theirs, their_scales), (ours, our_scales) = runs
+    assert_all_same(ours, theirs)
+    assert our_scales == their_scales
+    assert our_scales[2] == 2.0**7 and our_scales[9] == our_scales[8] / 2  # both skipped
