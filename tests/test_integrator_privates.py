@@ -3,10 +3,12 @@ overridden by a subclass as fairscale / fairseq do to unscale fp16 grads),
 ``_check_inf_per_device`` and ``_per_optimizer_states``, then ``update()`` without ``step()``."""
 
 import math
+from collections import defaultdict
 
 import pytest
 import torch
 from _util import assert_all_same
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from triton_scaler import GradScaler
 
@@ -141,9 +143,6 @@ def test_a_subclass_deciding_the_step_sees_torchs_optimizer_state(backend):
 def _own_update(base):
     """A subclass of ``base`` with its own ``update`` (NeMo's shape: combine the recorded
     found_infs, ``torch._amp_update_scale_``, forget the iteration); ours never runs."""
-    from collections import defaultdict
-
-    from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
     class OwnUpdate(base):
         def update(self, new_scale=None):

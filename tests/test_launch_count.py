@@ -231,6 +231,7 @@ def test_counting_accumulations_holds_nothing():
     assert counts[-1] == counts[0]
     assert bucket.accumulated_in_views()
 
+
 def test_no_grad_is_kept_alive_between_steps(backend):
     """zero_grad(set_to_none=True) must free the grads: the scaler's caches hold addresses
     and tables, never the grad tensors."""

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
-from . import ops
+from . import ops, reference
 from ._arguments import check_device, check_outputs, check_process_group
 from ._backend import Backend, check_backend
 from ._clip import ClipMixin
@@ -161,8 +161,8 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         state = self._ready_to_unscale(optimizer, "unscale_")
         found_inf = self._found_inf_flag(state)
         if self._overrides_unscale_grads():  # as torch: its inv_scale, through the override
-            inv_scale = self._scale.double().reciprocal().float()
-            per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
+            per_device = self._unscale_grads_(optimizer, reference.inv_scale_of(self._scale),
+                                              found_inf, False)
         else:  # the kernels form inv_scale from the scale (no extra op)
             per_device = self._unscale_or_check(optimizer, None, found_inf, False, write=True)
         state["found_inf_per_device"] = per_device
