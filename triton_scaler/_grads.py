@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import OrderedDict, defaultdict
+from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
 import torch
@@ -23,6 +24,9 @@ from . import ops
 from ._backend import resolve_backend
 from ._distributed import local_grad
 from .buckets import buckets_of, param_lists, same_param_lists
+
+if TYPE_CHECKING:
+    from triton_scaler.kernels.plan import UnscalePlan
 
 _GRAD = operator.attrgetter("grad")
 _DTYPE = operator.attrgetter("dtype")
@@ -57,7 +61,7 @@ class GradGroup:
         self.plan, self.padding = plan, padding  # padding: a bucket's (GradBucket.padding)
         self.mesh_groups = mesh_groups  # DTensor grads: the groups they are sharded over
 
-    def launch_target(self):
+    def launch_target(self) -> UnscalePlan:
         """What :func:`triton_scaler.kernels.launch_unscale` takes for this group: the plan,
         built now when not known yet (Triton backend only)."""
         if self.plan is None:
@@ -131,7 +135,8 @@ def _layout_of(optimizer: torch.optim.Optimizer) -> _Layout:
     return layout
 
 
-def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str):
+def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str
+                ) -> tuple[list[GradGroup], dict[torch.device, list]]:
     """``([GradGroup], mesh groups by device)``: each gradient bucket's buffer as its own
     group, then the other grads grouped by (device, dtype) as torch. DTensor grads (FSDP2) are
     their local shards; their mesh is returned for agreement."""

@@ -55,7 +55,8 @@ class StepMixin:
             return self._scale_and_flags[:index + 1], index
         return torch.stack([self._scale.to(agreed.device), agreed]), 1
 
-    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
+                        *args: Any, **kwargs: Any) -> float | None:
         if not self._policy.skip_on_overflow:
             return optimizer.step(*args, **kwargs)
         agreed = self._agree_found_inf(optimizer_state)

@@ -42,13 +42,14 @@ def interleaved_medians(fns: list[Callable[[], None]], device: torch.device,
     return [statistics.median(t) for t in times]
 
 
-def scaler_step_pair(n_tensors: int, numel: int, dtype: torch.dtype, device: torch.device):
+def scaler_step_pair(n_tensors: int, numel: int, dtype: torch.dtype, device: torch.device
+                     ) -> tuple[Callable[[], None], Callable[[], None], int]:
     """(torch_fn, ours_fn, bytes moved): ``scaler.unscale_(opt); scaler.update()`` of
     ``torch.amp.GradScaler`` and of triton_scaler's, each over its own copy of the same grads.
     The scale is 1.0 so repeated unscaling leaves the grads (and the work) unchanged."""
     from .grad_scaler import GradScaler
 
-    def setup(scaler):
+    def setup(scaler: torch.amp.GradScaler) -> Callable[[], None]:
         gen = torch.Generator(device=device).manual_seed(0)
         params = [torch.nn.Parameter(torch.empty(numel, device=device, dtype=dtype))
                   for _ in range(n_tensors)]

@@ -5,6 +5,7 @@ per step, and whether the two runs differ (they must not, except in speed)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,7 +40,8 @@ def _fused_clip(scaler, opt, model) -> torch.Tensor:
 
 
 def train_run(scaler: torch.amp.GradScaler, device: torch.device, steps: int,
-              overflow_at: set[int], fused: bool, desc: str, clip=_torch_clip) -> dict[str, Any]:
+              overflow_at: set[int], fused: bool, desc: str,
+              clip: Callable[..., torch.Tensor] = _torch_clip) -> dict[str, Any]:
     """Train a fresh copy of the demo model; returns trajectory, params and timings."""
     model = _model(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)

@@ -56,7 +56,8 @@ def count_host_syncs() -> Iterator[SyncCounter]:
             setattr(torch.Tensor, name, original)
 
 
-def optimizer_step_uncounted(optimizer: torch.optim.Optimizer, counter: SyncCounter):
+def optimizer_step_uncounted(optimizer: torch.optim.Optimizer, counter: SyncCounter
+                             ) -> contextlib.AbstractContextManager[None]:
     """Context manager that excludes ``optimizer.step``'s own host reads from ``counter``."""
     had_own_step = "step" in optimizer.__dict__
     step = optimizer.step

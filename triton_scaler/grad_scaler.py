@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -108,7 +109,8 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         self._process_group = process_group
         self._init_extension_state()
 
-    def scale(self, outputs):
+    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]
+              ) -> torch.Tensor | Iterable[torch.Tensor]:
         """Multiply a tensor, or a (nested) list / tuple / iterable of tensors, by the scale,
         as torch (an iterable that is not a list or tuple comes back as a lazy ``map``). The
         structure is checked first: a string, a dict or a non-tensor leaf raises ``TypeError``.
@@ -119,7 +121,9 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         return super().scale(outputs if items is None else iter(items))
 
     # ------------------------------------------------------------------ device work
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                        found_inf: torch.Tensor, allow_fp16: bool
+                        ) -> dict[torch.device, torch.Tensor]:
         """torch's private, same arguments and result (``{device: found_inf}``). A subclass
         may override it (fairscale / fairseq pass ``allow_fp16=True`` to unscale fp16 grads):
         :meth:`unscale_` and :meth:`_check_inf_per_device` then call it as torch's do.

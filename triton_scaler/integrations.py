@@ -11,6 +11,7 @@ the functions that need them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,7 +83,8 @@ def lightning_precision_plugin(device: str = "cuda", scaler: GradScaler | None =
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     class FusedClipMixedPrecision(MixedPrecision):
-        def optimizer_step(self, optimizer, model, closure, **kwargs):
+        def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],
+                           **kwargs: Any) -> Any:
             trainer = getattr(model, "_trainer", None)
             algorithm = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm")
             fused = (trainer is not None and bool(trainer.gradient_clip_val)
@@ -103,7 +105,7 @@ def lightning_precision_plugin(device: str = "cuda", scaler: GradScaler | None =
             finally:
                 del scaler.unscale_
 
-        def clip_grad_by_norm(self, optimizer, clip_val):
+        def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
             inner = _inner_optimizer(optimizer)
             if self.scaler._per_optimizer_states[id(inner)]["stage"] is OptState.UNSCALED:
                 return super().clip_grad_by_norm(optimizer, clip_val)  # already unscaled

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 
@@ -12,7 +14,7 @@ def default_device(device: str | torch.device | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def grads_of(params) -> list[torch.Tensor]:
+def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The dense gradients of ``params`` (sparse ones as their values), skipping ``None``."""
     grads = []
     for p in params:

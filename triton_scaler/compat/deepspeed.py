@@ -44,11 +44,13 @@ class LossScaler:
     def cur_scale(self) -> float:
         return self.loss_scale
 
-    def scale_gradient(self, module, grad_in, grad_out):
+    def scale_gradient(self, module: torch.nn.Module, grad_in: tuple[torch.Tensor | None, ...],
+                       grad_out: tuple[torch.Tensor | None, ...]
+                       ) -> tuple[torch.Tensor | None, ...]:
         """Backward hook form: multiply each incoming grad by the scale (on the device)."""
         return tuple(None if g is None else g * self._scale.to(g.device) for g in grad_in)
 
-    def update_scale(self, overflow) -> None:
+    def update_scale(self, overflow: bool | torch.Tensor) -> None:
         """Static: nothing to update."""
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -104,7 +106,7 @@ class DynamicLossScaler(LossScaler):
         """DeepSpeed's counter, which stops at 1 (the device tracker counts on below)."""
         return max(int(self._hysteresis.item()), 1)
 
-    def update_scale(self, overflow) -> None:
+    def update_scale(self, overflow: bool | torch.Tensor) -> None:
         found = torch.as_tensor(overflow, device=self._device).to(torch.float32).reshape(())
         if self.raise_error_at_min_scale:  # one host read, as DeepSpeed's own checks
             backs_off = (found != 0) & ((self._hysteresis <= 1) | (self.delayed_shift == 1))
