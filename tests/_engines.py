@@ -27,6 +27,13 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
 
 
+class _Half(torch.nn.Module):
+    """The input cast to float16: the first layer of a pure-float16 model."""
+
+    def forward(self, x):
+        return x.half()
+
+
 def _wrap(engine, model):
     """The wrapped model and the optimizers (fsdp1_orig_params: a second optimizer over
     parameters of which rank 0 holds no elements)."""
@@ -53,10 +60,14 @@ def _wrap(engine, model):
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+        if engine == "fsdp1_fp16":  # float16 parameters and grads (ShardedGradScaler's case)
+            model = torch.nn.Sequential(_Half(), *model.half())
         wrapped = FSDP(model, device_id=torch.device("cpu"),
                        use_orig_params=engine == "fsdp1_orig_params")
     params = list(wrapped.parameters())
     groups = [params[:1], params[1:]] if engine == "fsdp1_orig_params" else [params]
+    if engine == "fsdp1_fp16":  # AdamW's eps underflows in float16
+        return wrapped, [torch.optim.SGD(params, lr=1e-2, momentum=0.9)]
     return wrapped, [torch.optim.AdamW(g, lr=1e-2, fused=engine == "fsdp2_fused")
                      for g in groups]
 
@@ -117,9 +128,18 @@ def _full_params(engine, wrapped):
 
 def _scaler(engine, kind, backend, **settings):
     """torch's scaler for the engine (``kind="torch"``; ``"disabled"``: one with
-    ``enabled=False``) or ours, with our extension ``settings``."""
+    ``enabled=False``) or ours, with our extension ``settings``; ``"torch_sharded"`` /
+    ``"ours_sharded"``: torch's ShardedGradScaler / ours, built alike with positional
+    arguments (``settings`` unused)."""
     kwargs = dict(init_scale=2.0**8, growth_interval=2)
     kwargs.update(settings)  # ours may set growth_interval too
+    if kind.endswith("sharded"):  # ShardedGradScaler's positional order: backoff, growth
+        if kind == "torch_sharded":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        else:
+            from triton_scaler import ShardedGradScaler
+        extra = {} if kind == "torch_sharded" else {"backend": backend}
+        return ShardedGradScaler("cpu", 2.0**8, 0.25, 4.0, 2, **extra)
     if kind == "disabled":
         return torch.amp.GradScaler("cpu", enabled=False)
     if kind == "torch":
@@ -142,7 +162,7 @@ def train(engine, kind, backend, injection, rank, settings=None, checkpoint_at=N
     wrapped, optimizers = _wrap(engine, _model())
     scaler = _scaler(engine, kind, backend, **settings)
     gen = torch.Generator().manual_seed(data_rank(engine, rank) + 1)
-    scales, skipped, raised_at = [], [], None
+    scales, skipped, raised_at, scaled_dtypes = [], [], None, set()
     watched = optimizers[0].param_groups[0]["params"]  # holds the grad that overflows
     for step in range(STEPS):
         before = [_local(p.detach()).clone() for p in watched]
@@ -150,7 +170,9 @@ def train(engine, kind, backend, injection, rank, settings=None, checkpoint_at=N
         overflow = rank in overflowing_ranks(engine, injection) and step in OVERFLOW_STEPS
         if overflow and injection == "loss":
             loss = loss * math.inf
-        scaler.scale(loss).backward()
+        scaled = scaler.scale(loss)
+        scaled_dtypes.add(str(scaled.dtype))
+        scaled.backward()
         if overflow and injection == "grad":
             grad = next(_local(p.grad) for p in wrapped.parameters()
                         if p.grad is not None and _local(p.grad).numel())
@@ -173,7 +195,7 @@ def train(engine, kind, backend, injection, rank, settings=None, checkpoint_at=N
             scaler = _scaler(engine, kind, backend, **settings)
             scaler.load_state_dict(state)
     return {"scales": scales, "skipped": skipped, "params": _full_params(engine, wrapped),
-            "raised_at": raised_at}
+            "raised_at": raised_at, "scaled_dtypes": sorted(scaled_dtypes)}
 
 
 def _init_group(rank, world_size, store_file):

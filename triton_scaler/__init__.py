@@ -8,7 +8,8 @@ from .buckets import GradBuckets
 from .grad_scaler import GradScaler, MinScaleReachedError
 from .ops import all_finite
 from .policy import ScalePolicy, ScalerArgumentError
+from .sharded import ShardedGradScaler
 
 __all__ = ["GradScaler", "GradBuckets", "MinScaleReachedError", "ScalePolicy",
-           "ScalerArgumentError", "all_finite", "ops"]
+           "ScalerArgumentError", "ShardedGradScaler", "all_finite", "ops"]
 __version__ = "0.1.0"

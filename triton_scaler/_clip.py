@@ -191,7 +191,7 @@ class ClipMixin:
         found_for = PerDevice(found_inf)
         scale_for = PerDevice(self._scale)
         with torch.no_grad():
-            groups, mesh_groups = grad_groups(optimizer, False, self._backend)
+            groups, mesh_groups = grad_groups(optimizer, self._unscales_fp16, self._backend)
             # torch's arithmetic where no group runs on the Triton kernels
             on_triton = [resolve_backend(self._backend, g.device) == "triton" for g in groups]
             if not any(on_triton):

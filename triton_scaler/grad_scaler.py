@@ -72,6 +72,10 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
     torch) and none for fused optimizers.
     """
 
+    #: :meth:`unscale_` (and :meth:`clip_grad_norm_`) accept float16 grads: False, as torch's
+    #: GradScaler ("Attempting to unscale FP16 gradients."); :class:`ShardedGradScaler`: True.
+    _unscales_fp16: bool = False
+
     def __init__(
         self,
         device: str = "cuda",
@@ -166,9 +170,10 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         found_inf = self._found_inf_flag(state)
         if self._overrides_unscale_grads():  # as torch: its inv_scale, through the override
             per_device = self._unscale_grads_(optimizer, reference.inv_scale_of(self._scale),
-                                              found_inf, False)
+                                              found_inf, self._unscales_fp16)
         else:  # the kernels form inv_scale from the scale (no extra op)
-            per_device = self._unscale_or_check(optimizer, None, found_inf, False, write=True)
+            per_device = self._unscale_or_check(optimizer, None, found_inf, self._unscales_fp16,
+                                                write=True)
         state["found_inf_per_device"] = per_device
         state["stage"] = OptState.UNSCALED
         if per_device:  # none: torch raises in step(), not here

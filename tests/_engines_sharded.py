@@ -1,0 +1,57 @@
+"""Worker of test_sharded.py: one rank of a 2-process gloo group that trains under DDP and
+FSDP1 (also a pure-float16 FSDP1 model) with torch's ``ShardedGradScaler`` and with
+``triton_scaler.ShardedGradScaler``, and checks the cases torch's does not agree on."""
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from _engines import INJECTIONS, _init_group, _model, _wrap, attempt, train
+
+SHARDED_ENGINES = ("ddp", "fsdp1", "fsdp1_orig_params", "fsdp1_fp16")
+#: how ``one_overflow_step`` steps: torch's ShardedGradScaler agrees on none of the fused
+#: routes (without unscale_: no all-reduce; after unscale_: its (1,)-shaped found_inf fails
+#: in fused AdamW's step)
+ROUTES = ("plain", "fused", "fused_after_unscale")
+
+
+def run_sharded(rank, world_size, store_file, backend, out_dir):
+    from triton_scaler import ShardedGradScaler
+
+    # built before the default group exists, as torch's may be (process_group=None)
+    early = ShardedGradScaler("cpu", 2.0**8, backend=backend)
+    _init_group(rank, world_size, store_file)
+    try:
+        results = {}
+        for engine in SHARDED_ENGINES:
+            for injection in INJECTIONS:
+                for kind in ("torch_sharded", "ours_sharded"):
+                    attempt(results, (engine, injection, kind), train, engine, kind, backend,
+                            injection, rank)
+        attempt(results, "built_before_init", one_overflow_step, early, rank, "plain")
+        for route in ROUTES:
+            attempt(results, route, one_overflow_step,
+                    ShardedGradScaler("cpu", 2.0**8, backend=backend), rank, route)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
+    finally:
+        dist.destroy_process_group()
+
+
+def one_overflow_step(scaler, rank, route):
+    """One FSDP1 step with a NaN in rank 1's own grad shard only (no reduction spreads it):
+    every rank must skip. Returns (scale after update, this rank's parameters unchanged)."""
+    wrapped, _ = _wrap("fsdp1", _model())
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, fused=route != "plain")
+    scaler.scale(wrapped(torch.ones(4, 8)).square().mean()).backward()
+    if rank == 1:
+        grad = next(p.grad for p in wrapped.parameters() if p.grad is not None and p.grad.numel())
+        grad.view(-1)[0] = math.nan
+    before = [p.detach().clone() for p in wrapped.parameters()]
+    if route == "fused_after_unscale":
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    return scaler.get_scale(), all(torch.equal(a, b) for a, b in zip(before,
+                                                                    wrapped.parameters()))

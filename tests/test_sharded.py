@@ -1,0 +1,126 @@
+"""``triton_scaler.ShardedGradScaler`` against torch's ``ShardedGradScaler``: its positional
+arguments, ``scale()`` keeping each output's dtype, float16 grads, the default group looked
+up when needed; with 2 gloo ranks under DDP and FSDP1 (also a pure-float16 model), the same
+scales, skipped steps and parameters, and agreement where torch's has none."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+from _engines import INJECTIONS, OVERFLOW_STEPS, spawned_results
+from _engines_sharded import ROUTES, SHARDED_ENGINES, run_sharded
+
+from triton_scaler import GradScaler, ShardedGradScaler
+
+needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+def _torchs():
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
+
+    return TorchSharded
+
+
+@needs_gloo
+def test_positional_arguments_are_torchs_backoff_then_growth():
+    args = ("cpu", 8.0, 0.25, 4.0, 3, True)
+    ours, theirs = ShardedGradScaler(*args), _torchs()(*args)
+    mine = ours.state_dict()
+    assert {key: mine[key] for key in theirs.state_dict()} == theirs.state_dict()
+    assert ours.get_backoff_factor() == 0.25 and ours.get_growth_factor() == 4.0
+    assert ours.process_group is None and isinstance(ours, GradScaler)
+    assert ShardedGradScaler("cpu", hysteresis=2).policy.hysteresis == 2  # extensions apply
+
+
+@needs_gloo
+def test_scale_returns_each_output_in_its_own_dtype_as_torchs():
+    ours, theirs = ShardedGradScaler("cpu"), _torchs()("cpu")
+    half = torch.tensor(0.75, dtype=torch.float16)
+    big = torch.tensor(2.0, dtype=torch.float16)  # 2 * 65536 > 65504: inf in float16
+    vector = torch.tensor([1.5, -3.0], dtype=torch.bfloat16)
+    single = torch.tensor(0.5)
+    cases = [half, big, vector, single, [half, (vector, [single])], (big, half)]
+    for outputs in cases:
+        a, b = ours.scale(outputs), theirs.scale(outputs)
+        flat_a, flat_b = _leaves(a), _leaves(b)
+        assert [t.dtype for t in flat_a] == [t.dtype for t in flat_b] == [t.dtype for t in
+                                                                         _leaves(outputs)]
+        assert all(torch.equal(x, y) for x, y in zip(flat_a, flat_b))
+        assert type(a) is type(b)
+    assert ours.scale(big).isinf().item()
+    lazy = ours.scale(t for t in (half, single))  # a generator: a lazy map, as torch's
+    assert [t.dtype for t in lazy] == [torch.float16, torch.float32]
+    with pytest.raises(TypeError, match="outputs must be a Tensor"):
+        ours.scale("loss")
+    assert ShardedGradScaler("cpu", enabled=False).scale(half) is half
+
+
+def _leaves(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [leaf for item in value for leaf in _leaves(item)]
+
+
+@needs_gloo
+def test_needs_the_default_group_or_a_process_group_when_it_agrees():
+    assert not dist.is_initialized()
+    scaler = ShardedGradScaler("cpu")
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    opt = torch.optim.SGD([param], lr=1.0)
+    scaler.scale(torch.ones(()))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        scaler.unscale_(opt)
+
+
+@needs_gloo
+def test_pickles_and_copies_without_its_group():
+    scaler = ShardedGradScaler("cpu", 2.0**4, 0.25, 4.0, 5)
+    scaler.scale(torch.ones(()))
+    for clone in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
+        assert clone.state_dict() == scaler.state_dict()
+        assert clone.process_group is None and type(clone) is ShardedGradScaler
+
+
+_results: dict = {}
+
+
+def _sharded_results(backend, tmp_path_factory):
+    return spawned_results(_results, f"sharded-{backend}", run_sharded, tmp_path_factory,
+                           backend)
+
+
+@pytest.mark.slow
+@needs_gloo
+@pytest.mark.parametrize("injection", INJECTIONS)
+@pytest.mark.parametrize("engine", SHARDED_ENGINES)
+def test_trains_as_torchs_sharded_scaler(backend, engine, injection, tmp_path_factory):
+    """Built alike with positional arguments (backoff 0.25, growth 4.0): scales, skipped
+    steps, final parameters and the scaled loss's dtype (float16 for the float16 model)."""
+    for rank, results in enumerate(_sharded_results(backend, tmp_path_factory)):
+        theirs = results[engine, injection, "torch_sharded"]
+        ours = results[engine, injection, "ours_sharded"]
+        assert "error" not in theirs, f"torch's run failed on rank {rank}: {theirs}"
+        assert "error" not in ours, f"our run failed on rank {rank}: {ours}"
+        assert ours["skipped"] == theirs["skipped"] == list(OVERFLOW_STEPS), rank
+        assert ours["scales"] == theirs["scales"], rank
+        assert ours["scaled_dtypes"] == theirs["scaled_dtypes"]
+        assert ours["scaled_dtypes"] == ["torch.float16" if engine == "fsdp1_fp16"
+                                         else "torch.float32"]
+        for a, b in zip(ours["params"], theirs["params"], strict=True):
+            assert torch.equal(a, b), f"rank {rank}: final parameters differ"
+
+
+@pytest.mark.slow
+@needs_gloo
+@pytest.mark.parametrize("route", ("built_before_init",) + ROUTES)
+def test_every_rank_skips_an_overflow_in_one_ranks_shard(backend, route, tmp_path_factory):
+    """Plain and fused AdamW (with and without unscale_ first), and a scaler built before
+    init_process_group: the NaN in rank 1's shard skips the step on both ranks."""
+    for rank, results in enumerate(_sharded_results(backend, tmp_path_factory)):
+        outcome = results[route]
+        assert "error" not in outcome, f"rank {rank}: {outcome}"
+        assert outcome == (2.0**7, True), rank
