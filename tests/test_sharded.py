@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _engines import INJECTIONS, OVERFLOW_STEPS, spawned_results
-from _engines_sharded import ROUTES, SHARDED_ENGINES, run_sharded
+from _engines_sharded import CLIP_MAX_NORMS, ROUTES, SHARDED_ENGINES, run_sharded
 
 from triton_scaler import GradScaler, ShardedGradScaler
 
@@ -124,3 +124,27 @@ def test_every_rank_skips_an_overflow_in_one_ranks_shard(backend, route, tmp_pat
         outcome = results[route]
         assert "error" not in outcome, f"rank {rank}: {outcome}"
         assert outcome == (2.0**7, True), rank
+
+
+@pytest.mark.slow
+@needs_gloo
+@pytest.mark.parametrize("max_norm", CLIP_MAX_NORMS)
+def test_fused_clip_of_float16_shards_against_fsdps_clip(backend, max_norm, tmp_path_factory):
+    """``clip_grad_norm_(sharded=True)`` of float16 FSDP1 grads against ``unscale_`` +
+    ``FSDP.clip_grad_norm_``: the same scales and skipped step. FSDP's norm is float16 and
+    its coefficient is rounded to float16 before the multiplication; ours are float32
+    (README): the norms agree to float16's rounding. The parameters come out equal, also with
+    the clip active (max_norm 0.3, coefficients 0.45 to 0.65 here): the two roundings of
+    ``g * coef`` did not part on this data."""
+    for rank, results in enumerate(_sharded_results(backend, tmp_path_factory)):
+        outcome = results["fp16_clip", max_norm]
+        assert "error" not in outcome, f"rank {rank}: {outcome}"
+        ours, theirs = outcome["ours"], outcome["torch"]
+        assert ours["scales"] == theirs["scales"] == [2.0**8, 2.0**7, 2.0**7, 2.0**7], rank
+        for step, (a, b) in enumerate(zip(ours["norms"], theirs["norms"], strict=True)):
+            if step == 1:  # the overflow: both non-finite
+                assert not a.isfinite() and not b.isfinite()
+            else:
+                assert abs(a - b) <= 2.0**-11 * b, (rank, step, a, b)
+        for a, b in zip(ours["params"], theirs["params"], strict=True):
+            assert torch.equal(a, b), f"rank {rank}: parameters differ"
