@@ -212,15 +212,21 @@ def run(rank, world_size, store_file, backend, engines, out_dir):
     _init_group(rank, world_size, store_file)
     try:
         results = {}
-        for engine in engines:
-            for injection in INJECTIONS:
-                for kind in ("torch", "ours"):
-                    attempt(results, (engine, injection, kind), train, engine, kind, backend,
-                            injection, rank)
+        train_each(results, engines, ("torch", "ours"), backend, rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
     finally:
         dist.destroy_process_group()
+
+
+def train_each(results: dict, engines, kinds, backend, rank) -> None:
+    """``results[engine, injection, kind]``: :func:`train` of every engine, injection and
+    scaler kind, in that order."""
+    for engine in engines:
+        for injection in INJECTIONS:
+            for kind in kinds:
+                attempt(results, (engine, injection, kind), train, engine, kind, backend,
+                        injection, rank)
 
 
 def attempt(results: dict, key, fn, *args) -> None:

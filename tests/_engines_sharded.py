@@ -7,7 +7,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from _engines import INJECTIONS, _full_params, _init_group, _model, _wrap, attempt, train
+from _engines import _full_params, _init_group, _model, _wrap, attempt, train_each
 
 SHARDED_ENGINES = ("ddp", "fsdp1", "fsdp1_orig_params", "fsdp1_fp16")
 #: how ``one_overflow_step`` steps: torch's ShardedGradScaler agrees on none of the fused
@@ -26,11 +26,7 @@ def run_sharded(rank, world_size, store_file, backend, out_dir):
     _init_group(rank, world_size, store_file)
     try:
         results = {}
-        for engine in SHARDED_ENGINES:
-            for injection in INJECTIONS:
-                for kind in ("torch_sharded", "ours_sharded"):
-                    attempt(results, (engine, injection, kind), train, engine, kind, backend,
-                            injection, rank)
+        train_each(results, SHARDED_ENGINES, ("torch_sharded", "ours_sharded"), backend, rank)
         attempt(results, "built_before_init", one_overflow_step, early, rank, "plain")
         for max_norm in CLIP_MAX_NORMS:
             attempt(results, ("fp16_clip", max_norm), clip_fp16, backend, rank, max_norm)
