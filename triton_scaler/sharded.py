@@ -22,11 +22,13 @@ class ShardedGradScaler(GradScaler):
     * ``process_group=None`` (torch's default, ``dist.group.WORLD``, is None until the default
       group exists) agrees over the default group, looked up at each agreement: the scaler may
       be built before ``init_process_group``. The group is the public ``process_group``;
-    * ``unscale_`` accepts float16 grads (FSDP1's ``keep_low_precision_grads=True``);
+    * ``unscale_`` (and :meth:`clip_grad_norm_`) accept float16 grads (a float16 model, or
+      FSDP1's ``keep_low_precision_grads=True``);
     * ``scale()`` returns each output in its own dtype: a float16 loss stays float16 (a scaled
       value past 65504 is inf, as with torch's).
 
-    With these the scale trajectory, skipped steps and parameters are torch's ``ShardedGradScaler``'s.
+    With these the scale trajectory, skipped steps and parameters are those of torch's
+    ``ShardedGradScaler``.
     Different on purpose (README): the agreement is a MAX (flags exactly 0.0 / 1.0, which fused
     optimizers need; torch's sums them) and also runs on the fused-optimizer route (torch's
     agrees in ``unscale_`` only); the scale update is ``torch.amp.GradScaler``'s rule on every
