@@ -19,9 +19,11 @@ class ShardedGradScaler(GradScaler):
 
     * its positional arguments: ``backoff_factor`` comes *before* ``growth_factor`` (the
       reverse of ``GradScaler``), then ``growth_interval``, ``enabled``, ``process_group``;
-    * ``process_group=None`` (torch's default, ``dist.group.WORLD``, is None until the default
-      group exists) agrees over the default group, looked up at each agreement: the scaler may
-      be built before ``init_process_group``. The group is the public ``process_group``;
+    * ``process_group=None`` agrees over the default group, looked up at each agreement, so
+      the scaler may be built before ``init_process_group`` (torch's default,
+      ``dist.group.WORLD``, is read when its module is imported: None before
+      ``init_process_group``, which its all-reduce takes as the default group). The group is
+      the public ``process_group``;
     * ``unscale_`` (and :meth:`clip_grad_norm_`) accept float16 grads (a float16 model, or
       FSDP1's ``keep_low_precision_grads=True``);
     * ``scale()`` returns each output in its own dtype: a float16 loss stays float16 (a scaled
