@@ -5,11 +5,11 @@ import os
 
 import torch
 import torch.distributed as dist
-from _engines import _init_group
+from _spawn import init_group
 
 
 def run(rank, world_size, store_file, optimizer_name, backend, overflow_steps, out_dir):
-    _init_group(rank, world_size, store_file)
+    init_group(rank, world_size, store_file)
     try:
         from triton_scaler import GradScaler
 

@@ -2,16 +2,12 @@
 tests/_engines_mesh.py) that trains the same model under torch's distributed engines (FSDP2,
 DDP, FSDP1) with torch's scaler and with ours."""
 
-import datetime
-import faulthandler
 import math
 import os
-import sys
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _spawn import attempt, init_group
 
 ENGINES = ("fsdp2", "fsdp2_fused", "fsdp2_mixed_precision", "ddp", "ddp_bucket_view", "fsdp1",
            "fsdp1_orig_params")
@@ -198,18 +194,8 @@ def train(engine, kind, backend, injection, rank, settings=None, checkpoint_at=N
             "raised_at": raised_at, "scaled_dtypes": sorted(scaled_dtypes)}
 
 
-def _init_group(rank, world_size, store_file):
-    """The gloo group, met through a file store (``store_file``, see :func:`store_file_in`)
-    rather than a TCP store on a port picked beforehand: a port found free by the parent can
-    be taken by another test run on the machine before rank 0 listens on it (EADDRINUSE, seen
-    with two suites at once). gloo's own connections take ports the OS hands out."""
-    faulthandler.enable(all_threads=True)  # a rank that aborts shows where (stderr)
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
-
-
 def run(rank, world_size, store_file, backend, engines, out_dir):
-    _init_group(rank, world_size, store_file)
+    init_group(rank, world_size, store_file)
     try:
         results = {}
         train_each(results, engines, ("torch", "ours"), backend, rank)
@@ -227,99 +213,3 @@ def train_each(results: dict, engines, kinds, backend, rank) -> None:
             for kind in kinds:
                 attempt(results, (engine, injection, kind), train, engine, kind, backend,
                         injection, rank)
-
-
-def attempt(results: dict, key, fn, *args) -> None:
-    """``results[key] = fn(*args)``, or ``{"error": ...}`` when it raises (the test reports it,
-    per case, and the other cases still run); then a barrier, so both ranks start the next
-    case together."""
-    try:
-        results[key] = fn(*args)
-    except Exception as error:
-        results[key] = {"error": repr(error)}
-    dist.barrier()
-
-
-def spawned_results(cache: dict, name: str, fn, tmp_path_factory, *args, timeout_s=300,
-                    world_size=2):
-    """Every rank's saved results of one spawn of ``fn(rank, world_size, store_file, *args,
-    out_dir)``, cached under ``name``: one spawn (seconds) serves every test that reads it."""
-    if name not in cache:
-        out = tmp_path_factory.mktemp(name)
-        spawn_bounded(fn, (world_size, store_file_in(out), *args, str(out)), nprocs=world_size,
-                      timeout_s=timeout_s)
-        cache[name] = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
-    return cache[name]
-
-
-def store_file_in(folder) -> str:
-    """The rendezvous file of one spawn: in that spawn's own new temporary folder, so no two
-    spawns (nor two test runs) share one, and it does not exist yet, as a file store needs."""
-    return os.path.join(os.path.abspath(folder), "rendezvous")
-
-
-def spawn_bounded(fn, args, *, nprocs=2, timeout_s=300):
-    """Spawn ``nprocs`` ranks and join them within ``timeout_s``; kill them and fail after."""
-    context = mp.start_processes(_exit_after, args=(fn, *args), nprocs=nprocs, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise TimeoutError(f"distributed ranks did not finish within {timeout_s} s")
-
-
-def _exit_after(rank, fn, *args):
-    """Run one rank's ``fn``; once it has returned (results saved, barrier passed, group
-    destroyed), leave without the interpreter's teardown. Under load, gloo's threads
-    sometimes abort a rank there (``terminate called without an active exception``, the main
-    thread outside any Python frame: seen once in 40 loaded runs), after the test's work is
-    done. An exception in ``fn`` still exits non-zero with its traceback."""
-    fn(rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def run_buckets(rank, world_size, store_file, backend, out_dir):
-    """GradBuckets against the engines: refused for FSDP2's DTensor parameters and for DDP's
-    own bucket views (with advice), exact with DDP(gradient_as_bucket_view=False)."""
-    from triton_scaler import GradBuckets, GradScaler
-
-    _init_group(rank, world_size, store_file)
-    results = {}
-    try:
-        fsdp2, (opt,) = _wrap("fsdp2", _model())
-        try:
-            GradBuckets(opt)
-        except TypeError as error:
-            results["fsdp2"] = str(error)
-        ddp, (opt,) = _wrap("ddp_bucket_view", _model())
-        GradBuckets(opt)
-        scaler = GradScaler("cpu", backend=backend, process_group=dist.group.WORLD)
-        scaler.scale(ddp(torch.ones(2, 8)).sum()).backward()
-        try:
-            scaler.step(opt)
-        except RuntimeError as error:
-            results["ddp_bucket_view"] = str(error)
-        dist.barrier()
-        finals = []
-        for kind in ("torch", "ours"):
-            ddp, (opt,) = _wrap("ddp", _model())
-            buckets = GradBuckets(opt) if kind == "ours" else None
-            scaler = _scaler("ddp", kind, backend)
-            gen = torch.Generator().manual_seed(rank + 1)
-            for step in range(STEPS):
-                loss = ddp(torch.randn(4, 8, generator=gen)).square().mean()
-                scaler.scale(loss * (math.inf if rank == 1 and step == 3 else 1.0)).backward()
-                scaler.step(opt)
-                scaler.update()
-                buckets.zero_() if buckets else opt.zero_grad()
-            finals.append(([p.detach().clone() for p in ddp.parameters()], scaler.get_scale()))
-        results["ddp_buckets_equal"] = finals[0][1] == finals[1][1] and all(
-            torch.equal(a, b) for a, b in zip(finals[0][0], finals[1][0]))
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()

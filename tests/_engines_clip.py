@@ -12,14 +12,13 @@ from _engines import (
     OVERFLOW_STEPS,
     STEPS,
     _full_params,
-    _init_group,
     _model,
     _scaler,
     _wrap,
-    attempt,
     data_rank,
     overflowing_ranks,
 )
+from _spawn import attempt, init_group
 
 CLIP_ENGINES = ("fsdp2", "fsdp2_mixed_precision", "ddp", "fsdp1", "fsdp1_orig_params")
 #: how each engine's plain grads relate across ranks (None: DTensor grads say it themselves)
@@ -109,7 +108,7 @@ def _sharded_errors(backend):
 
 
 def run_clip_engines(rank, world_size, store_file, backend, out_dir):
-    _init_group(rank, world_size, store_file)
+    init_group(rank, world_size, store_file)
     try:
         results = {}
         for norm_type in (2.0, math.inf):
@@ -135,7 +134,7 @@ def run_clip(rank, world_size, store_file, backend, out_dir):
     returned norm is the global one, and every rank clips by it."""
     from triton_scaler import GradScaler
 
-    _init_group(rank, world_size, store_file)
+    init_group(rank, world_size, store_file)
     try:
         results = {}
         for norm_type, enabled in CLIP_CASES:

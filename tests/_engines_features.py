@@ -1,13 +1,15 @@
 """Worker of test_engines_features.py: one rank of a 2-process gloo group that trains under
 each engine with triton_scaler's extension settings, torch's scaler (the parameters' oracle
 while the same steps are skipped) and a disabled scaler (the oracle of a run that never
-skips)."""
+skips). Also the worker of test_engines.py's GradBuckets test (:func:`run_buckets`)."""
 
+import math
 import os
 
 import torch
 import torch.distributed as dist
-from _engines import _init_group, attempt, train
+from _engines import STEPS, _model, _scaler, _wrap, train
+from _spawn import attempt, init_group
 
 FEATURE_ENGINES = ("fsdp2", "fsdp2_fused", "ddp", "fsdp1")
 
@@ -27,7 +29,7 @@ FEATURES = {
 
 
 def run_features(rank, world_size, store_file, backend, out_dir):
-    _init_group(rank, world_size, store_file)
+    init_group(rank, world_size, store_file)
     try:
         results = {}
         for engine in FEATURE_ENGINES:
@@ -49,3 +51,46 @@ def feature_runs(results, engine, backend, rank):
         injection = "loss" if name in ("no_skip", "disabled") else "grad"
         attempt(results, (engine, name), train, engine, kind, backend, injection, rank,
                 settings, checkpoint_at)
+
+
+def run_buckets(rank, world_size, store_file, backend, out_dir):
+    """GradBuckets against the engines: refused for FSDP2's DTensor parameters and for DDP's
+    own bucket views (with advice), exact with DDP(gradient_as_bucket_view=False)."""
+    from triton_scaler import GradBuckets, GradScaler
+
+    init_group(rank, world_size, store_file)
+    results = {}
+    try:
+        fsdp2, (opt,) = _wrap("fsdp2", _model())
+        try:
+            GradBuckets(opt)
+        except TypeError as error:
+            results["fsdp2"] = str(error)
+        ddp, (opt,) = _wrap("ddp_bucket_view", _model())
+        GradBuckets(opt)
+        scaler = GradScaler("cpu", backend=backend, process_group=dist.group.WORLD)
+        scaler.scale(ddp(torch.ones(2, 8)).sum()).backward()
+        try:
+            scaler.step(opt)
+        except RuntimeError as error:
+            results["ddp_bucket_view"] = str(error)
+        dist.barrier()
+        finals = []
+        for kind in ("torch", "ours"):
+            ddp, (opt,) = _wrap("ddp", _model())
+            buckets = GradBuckets(opt) if kind == "ours" else None
+            scaler = _scaler("ddp", kind, backend)
+            gen = torch.Generator().manual_seed(rank + 1)
+            for step in range(STEPS):
+                loss = ddp(torch.randn(4, 8, generator=gen)).square().mean()
+                scaler.scale(loss * (math.inf if rank == 1 and step == 3 else 1.0)).backward()
+                scaler.step(opt)
+                scaler.update()
+                buckets.zero_() if buckets else opt.zero_grad()
+            finals.append(([p.detach().clone() for p in ddp.parameters()], scaler.get_scale()))
+        results["ddp_buckets_equal"] = finals[0][1] == finals[1][1] and all(
+            torch.equal(a, b) for a, b in zip(finals[0][0], finals[1][0]))
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -9,9 +9,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from _engines import INJECTIONS, MESH_ENGINES, _init_group, attempt, spawned_results, train
+from _engines import INJECTIONS, MESH_ENGINES, train
 from _engines_clip import mixed_placements, train_clipped
 from _engines_features import feature_runs
+from _spawn import attempt, init_group, spawned_results
 
 WORLD_SIZE = 4
 _cache: dict = {}
@@ -52,7 +53,7 @@ def first_grad_replicated(kind, backend, rank):
 
 
 def run_mesh(rank, world_size, store_file, backend, out_dir):
-    _init_group(rank, world_size, store_file)
+    init_group(rank, world_size, store_file)
     try:
         results = {}
         for engine in MESH_ENGINES:

@@ -7,7 +7,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from _engines import _full_params, _init_group, _model, _wrap, attempt, train_each
+from _engines import _full_params, _model, _wrap, train_each
+from _spawn import attempt, init_group
 
 SHARDED_ENGINES = ("ddp", "fsdp1", "fsdp1_orig_params", "fsdp1_fp16")
 #: how ``one_overflow_step`` steps: torch's ShardedGradScaler agrees on none of the fused
@@ -23,7 +24,7 @@ def run_sharded(rank, world_size, store_file, backend, out_dir):
 
     # built before the default group exists, as torch's may be (process_group=None)
     early = ShardedGradScaler("cpu", 2.0**8, backend=backend)
-    _init_group(rank, world_size, store_file)
+    init_group(rank, world_size, store_file)
     try:
         results = {}
         train_each(results, SHARDED_ENGINES, ("torch_sharded", "ours_sharded"), backend, rank)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist_worker import run
-from _engines import spawn_bounded, store_file_in
+from _spawn import spawn_bounded, store_file_in
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")

@@ -20,13 +20,11 @@ from _engines import (
     MESH_ENGINES,
     OVERFLOW_STEPS,
     run,
-    run_buckets,
-    spawn_bounded,
-    spawned_results,
-    store_file_in,
 )
 from _engines_clip import CLIP_CASES, CLIP_ENGINES, run_clip, run_clip_engines
+from _engines_features import run_buckets
 from _engines_mesh import mesh_results
+from _spawn import spawn_bounded, spawned_results, store_file_in
 
 from triton_scaler import ops
 

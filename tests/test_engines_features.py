@@ -15,10 +15,11 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from _engines import MESH_ENGINES, OVERFLOW_STEPS, STEPS, spawned_results
+from _engines import MESH_ENGINES, OVERFLOW_STEPS, STEPS
 from _engines_features import FEATURE_ENGINES, FEATURES, run_features
 from _engines_mesh import mesh_results
 from _peers import ApexLossScaler, MegatronDynamicGradScaler
+from _spawn import spawned_results
 from _util import assert_all_same
 
 from triton_scaler import GradScaler, MinScaleReachedError

@@ -9,8 +9,9 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
-from _engines import INJECTIONS, OVERFLOW_STEPS, spawned_results
+from _engines import INJECTIONS, OVERFLOW_STEPS
 from _engines_sharded import CLIP_MAX_NORMS, ROUTES, SHARDED_ENGINES, run_sharded
+from _spawn import spawned_results
 
 from triton_scaler import GradScaler, ShardedGradScaler
 
