@@ -8,8 +8,9 @@
 #     suite  the pytest-benchmark suites at full sizes (suite.json, for benchmarks/plot.py)
 #     all    tests, direct, then bench (default); the suite only when asked for
 # Everything goes under OUT_DIR (default: $OUT when set, else benchmarks/results/gpu), with
-# summary.txt: device, versions, date and each part's outcome. Each part has a time limit and
-# a failing part does not stop the next, so a part can be re-run alone. Plots need matplotlib:
+# summary.txt: device, versions, date and each part's outcome (failed tests listed). Each part
+# has a time limit (a part cut there keeps its failures so far, counts and junit XML) and a
+# failing part does not stop the next, so a part can be re-run alone. Plots need matplotlib:
 # draw them where it is installed, from the fetched JSON (python benchmarks/gpu_figures.py
 # --plot OUT_DIR; python benchmarks/plot.py OUT_DIR/suite.json --label gpu).
 set -uo pipefail
@@ -42,27 +43,17 @@ print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else 
 EOF
 }
 
-run_part() {  # name, seconds, command...
-  local name=$1 limit=$2
-  shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  echo "[$name] exit $rc after $((SECONDS - start)) s (limit $limit s): $(tail -n 1 "$out/$name.log")" \
-    | tee -a "$summary"
-  grep -E "^(FAILED|ERROR) " "$out/$name.log" | head -n 40 | tee -a "$summary"
-  return 0
-}
+source benchmarks/_run_part.sh  # run_part NAME SECONDS COMMAND...
 
 install
 header
 python -c "import triton_scaler.kernels" || { echo "triton_scaler does not import" | tee -a "$summary"; exit 1; }
 export TRITON_SCALER_GPU_TESTS=1
 if [[ $part == all || $part == tests ]]; then
-  run_part tests 230 python -m pytest -q -rs -p no:cacheprovider tests --junitxml="$out/tests.xml"
+  run_part tests 230 python -m pytest -q -rfEs -p no:cacheprovider tests --junitxml="$out/tests.xml"
 fi
 if [[ $part == all || $part == direct ]]; then
-  run_part direct 60 python -m pytest -q -rs -p no:cacheprovider --direct-launch \
+  run_part direct 60 python -m pytest -q -rfEs -p no:cacheprovider --direct-launch \
     tests/test_gpu.py tests/test_ops_unscale.py tests/test_ops_update.py tests/test_buckets.py \
     tests/test_launch_count.py tests/test_plan_reuse.py --junitxml="$out/direct.xml"
 fi

@@ -8,10 +8,10 @@ cd "$(dirname "$0")/.."
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
 export TRITON_SCALER_GPU_TESTS=1
 status=0
-python -m pytest -q -rs tests "$@" || status=$?
+python -m pytest -q -rfEs tests "$@" || status=$?
 again=()  # the same pytest args but the junit report (the first run's)
 for arg in "$@"; do [[ $arg == --junitxml=* ]] || again+=("$arg"); done
-python -m pytest -q -rs tests/test_gpu.py tests/test_ops_unscale.py tests/test_ops_update.py \
+python -m pytest -q -rfEs tests/test_gpu.py tests/test_ops_unscale.py tests/test_ops_update.py \
   tests/test_buckets.py tests/test_launch_count.py tests/test_plan_reuse.py --direct-launch ${again[@]+"${again[@]}"} \
   || status=$?
 exit $status
