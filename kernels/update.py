@@ -67,7 +67,10 @@ def _update_scale(scale_ptr, growth_tracker_ptr, hysteresis_tracker_ptr, params_
     at_interval = successful == growth_interval
 
     backed64 = scale64 * backoff_factor
-    backed = tl.where(backed64 < min_scale, min_scale, backed64).to(tl.float32)
+    # min_scale 0 is no floor (torch's rule: a negative scale set through
+    # update(new_scale=tensor) keeps backing off as in torch)
+    backed = tl.where((backed64 < min_scale) & (min_scale > 0), min_scale,
+                      backed64).to(tl.float32)
     grown64 = scale64 * growth_factor
     grown = tl.where(grown64 > max_scale, max_scale, grown64).to(tl.float32)
     grown_finite = tl.abs(grown) < float("inf")

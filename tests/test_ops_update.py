@@ -91,6 +91,25 @@ def test_min_and_max_scale(backend):
     assert scale.item() == 100.0
 
 
+
+@pytest.mark.parametrize("init", [-1.0, -3.0e-30, -65536.0])
+def test_min_scale_zero_is_no_floor_as_torch(backend, init):
+    """A negative scale (``update(new_scale=tensor)`` takes any value, as torch's) backs off
+    and grows by torch's rule: the default ``min_scale=0.0`` is no floor, also with
+    hysteresis (the kernel once floored it at 0.0, away from torch and the reference)."""
+    ours, theirs = _state(init), _state(init)
+    for found in (1.0, 0.0, 1.0, 2.0, 0.0, 0.0):
+        ops.update_scale_(*ours, torch.tensor(found), 2.0, 0.5, 2, backend=backend)
+        torch._amp_update_scale_(*theirs, torch.tensor(found), 2.0, 0.5, 2)
+        assert_same(ours[0], theirs[0])
+        assert_same(ours[1], theirs[1])
+    scale, tracker = _state(init)
+    hysteresis = torch.full((), 2, dtype=torch.int32)
+    for _ in range(3):  # the second overflow backs off, the third too
+        ops.update_scale_(scale, tracker, torch.ones(()), 2.0, 0.5, 2, backend=backend,
+                          hysteresis_tracker=hysteresis, hysteresis=2)
+    assert scale.item() == _state(init)[0].item() / 4  # (exact: a power of two)
+
 def test_triton_reads_factors_from_the_params_buffer(triton_device):
     scale, tracker = (t.to(triton_device) for t in _state(1.0))
     params = ScalePolicy(growth_interval=1).kernel_params(triton_device).clone()

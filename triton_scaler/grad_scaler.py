@@ -55,7 +55,8 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         hysteresis: overflows tolerated before backing off (Megatron-core); the tracker
             refills on growth. Int >= 1.
         consecutive_hysteresis: also refill on every clean step (DeepSpeed, apex).
-        min_scale: floor of the backoff, finite and >= 0. max_scale: cap of the growth.
+        min_scale: floor of the backoff, finite and >= 0 (0: none, as torch). max_scale: cap of
+            the growth.
         raise_at_min_scale: raise :class:`MinScaleReachedError` from :meth:`update` when an
             overflow backs off at ``min_scale``. This reads one flag from the device in
             ``update`` (one host sync), so it is off by default.

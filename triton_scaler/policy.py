@@ -88,8 +88,8 @@ class ScalePolicy:
         growth_interval: clean steps before growth, int in ``[1, 2**31 - 1]``.
         hysteresis: overflows tolerated before backing off, int in ``[1, 2**31 - 1]``.
         consecutive_hysteresis: refill the hysteresis tracker on every clean step.
-        min_scale: floor of the backoff, finite float >= 0. max_scale: cap of the growth,
-            float >= min_scale (``inf``: none).
+        min_scale: floor of the backoff, finite float >= 0 (``0``: none). max_scale: cap of
+            the growth, float >= min_scale (``inf``: none).
         raise_at_min_scale: raise when an overflow arrives with the scale at ``min_scale``.
         dynamic: ``False`` keeps the scale fixed. skip_on_overflow: ``False`` steps anyway.
     """

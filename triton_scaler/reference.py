@@ -110,7 +110,9 @@ def update_scale_(
     successful = growth_tracker + 1
     at_interval = successful == growth_interval
     backed = scale64 * backoff_factor
-    backed = torch.where(backed < min_scale, min_scale, backed).float()
+    if min_scale > 0:  # 0: no floor (torch's rule), as the kernel
+        backed = torch.where(backed < min_scale, min_scale, backed)
+    backed = backed.float()
     grown = scale64 * growth_factor
     grown = torch.where(grown > max_scale, max_scale, grown).float()
     back_off = found
