@@ -1,6 +1,8 @@
 """update_scale_ against torch._amp_update_scale_ and the peers' policies."""
 
 import math
+import random
+import struct
 
 import pytest
 import torch
@@ -109,6 +111,41 @@ def test_min_scale_zero_is_no_floor_as_torch(backend, init):
         ops.update_scale_(scale, tracker, torch.ones(()), 2.0, 0.5, 2, backend=backend,
                           hysteresis_tracker=hysteresis, hysteresis=2)
     assert scale.item() == _state(init)[0].item() / 4  # (exact: a power of two)
+
+
+def _random_update_args(rng: random.Random) -> tuple:
+    """(scale, growth tracker, first found_inf, growth, backoff, interval): any float32 scale
+    (negative, signed zeros, subnormal, inf, NaN, random bits), int32 trackers at the edges,
+    found_inf NaN / negative / above 1, factors torch accepts."""
+    bits = struct.unpack("f", struct.pack("I", rng.getrandbits(32)))[0]
+    scale = rng.choice([65536.0, 3.0, 2.0**-24, 1e-45, 3.4e38, math.inf, -math.inf, 0.0,
+                        -0.0, -1.0, math.nan, bits, bits])
+    tracker = rng.choice([0, 1, 1999, 2**31 - 2, 2**31 - 1, -3, rng.randrange(-2**31, 2**31)])
+    found = rng.choice([0.0, 1.0, 2.0, math.nan, math.inf, -1.0, 1e-45])
+    return (scale, tracker, found, rng.choice([2.0, 1.5, 1.0001, 1e30, rng.uniform(1, 10)]),
+            rng.choice([0.5, 0.999, 1e-30, 1 / 3, rng.uniform(0.01, 0.99)]),
+            rng.choice([1, 2, 3, 2000, 2**31 - 1]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_states_match_torch(backend, seed):
+    """Random states, edge values included, a few steps each: bit for bit torch's op (this
+    is how the min_scale floor at 0.0 was found)."""
+    rng = random.Random(seed)
+    for _ in range(50):
+        scale, tracker, found, growth, backoff, interval = _random_update_args(rng)
+        ours, theirs = ((torch.tensor(scale, dtype=torch.float32),
+                         torch.tensor(tracker, dtype=torch.int32)) for _ in range(2))
+        for step in range(rng.randint(1, 6)):
+            flag = torch.tensor(found if step == 0 else rng.choice([0.0, 1.0]))
+            ops.update_scale_(*ours, flag.clone(), growth, backoff, interval, backend=backend)
+            torch._amp_update_scale_(*theirs, flag, growth, backoff, interval)
+            for a, b in zip(ours, theirs):
+                try:
+                    assert_same(a, b)
+                except AssertionError as error:
+                    raise AssertionError(f"{(scale, tracker, found, growth, backoff, interval)}"
+                                         f", step {step}: {error}") from error
 
 def test_triton_reads_factors_from_the_params_buffer(triton_device):
     scale, tracker = (t.to(triton_device) for t in _state(1.0))
