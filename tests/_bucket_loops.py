@@ -8,15 +8,16 @@ from _util import assert_same
 from triton_scaler import GradBuckets, GradScaler
 
 
-def run_both(backend, build, loop):
+def run_both(backend, build, loop, enabled=True):
     """``build(ours: bool)`` -> (params, optimizer, zero_grad); ``loop(params, opt, scaler,
     zero_grad)`` returns a list of outcomes. Asserts that both sides agree."""
     sides = []
     for ours in (True, False):
         torch.manual_seed(0)
         params, opt, zero_grad = build(ours)
-        scaler = (GradScaler("cpu", init_scale=8.0, growth_interval=2, backend=backend) if ours
-                  else torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2))
+        settings = dict(init_scale=8.0, growth_interval=2, enabled=enabled)
+        scaler = (GradScaler("cpu", **settings, backend=backend) if ours
+                  else torch.amp.GradScaler("cpu", **settings))
         sides.append((loop(params, opt, scaler, zero_grad), params, opt))
     (outcomes, params, opt), (expected, params_t, opt_t) = sides
     assert outcomes == expected

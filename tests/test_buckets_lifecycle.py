@@ -58,6 +58,37 @@ def test_unscale_then_zero_then_step_leaves_parameters_without_grads_alone(backe
     assert _run_both(backend, build, loop) == ["ok", "ok"]
 
 
+
+@pytest.mark.parametrize("call", ["step", "unscale_", "clip_grad_norm_"])
+def test_a_disabled_scaler_leaves_parameters_without_a_gradient_alone(backend, call):
+    """``GradScaler(enabled=False)`` with GradBuckets: a parameter that received no gradient
+    has grad None at the step (and at the clip), as under torch's disabled scaler without
+    buckets, and is not stepped on a zero view. (Found by random call sequences with
+    ``enabled=False``.)"""
+    build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(6)),
+                               torch.nn.Parameter(torch.randn(2, 3))],
+                      optimizer=lambda ps: torch.optim.Adam(ps, lr=0.1))
+
+    def loop(params, opt, scaler, zero_grad):
+        outcomes = []
+        for i in range(4):  # every other step, the second parameter gets no gradient
+            zero_grad()
+            used = params if i % 2 == 0 else params[:1]
+            scaler.scale(sum((p * p).sum() for p in used)).backward()
+            if call == "unscale_":
+                scaler.unscale_(opt)
+            elif call == "clip_grad_norm_" and isinstance(scaler, GradScaler):
+                outcomes.append(scaler.clip_grad_norm_(opt, 1.0).item())
+            elif call == "clip_grad_norm_":
+                scaler.unscale_(opt)
+                outcomes.append(torch.nn.utils.clip_grad_norm_(params, 1.0).item())
+            outcomes.append(_outcome(lambda: scaler.step(opt)))
+            outcomes.append([p.grad is None for p in params])
+            scaler.update()
+        return outcomes
+
+    assert _run_both(backend, build, loop, enabled=False)[-2:] == ["ok", [False, True]]
+
 @pytest.mark.parametrize("zero", ["set_to_none", "buckets"])
 def test_a_step_without_grads_raises_as_torch(backend, zero):
     build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(4)),

@@ -22,7 +22,7 @@ from ._backend import resolve_backend
 from ._distributed import MeshLayout, agree_over_meshes, norm_layout
 from ._grads import PerDevice, grad_groups
 from ._norms import combine_partials, grad_norm, reference_total_norm
-from .buckets import buckets_of
+from .buckets import attach_bucket_grads, buckets_of
 
 
 def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, float]:
@@ -131,6 +131,8 @@ class ClipMixin:
         max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
         if not isinstance(error_if_nonfinite, bool):
             raise TypeError(f"error_if_nonfinite must be a bool; got {error_if_nonfinite!r}")
+        if not self._enabled:  # GradBuckets: grad None where no gradient came (as unscale_)
+            attach_bucket_grads(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         shard_group = self._shard_group(params, sharded)
         if any(p.grad.is_sparse for p in params):

@@ -164,8 +164,10 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
     @_eager_under_compile
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the optimizer's grads in place and record whether any is non-finite.
-        One fused launch per bucket / (device, dtype) group. No host sync."""
+        One fused launch per bucket / (device, dtype) group. No host sync. Disabled: only
+        GradBuckets' grads are settled (``None`` where no gradient came), as when enabled."""
         if not self._enabled:
+            attach_bucket_grads(optimizer)
             return
         state = self._ready_to_unscale(optimizer, "unscale_")
         found_inf = self._found_inf_flag(state)
@@ -212,7 +214,8 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         non-finite. Plain optimizers: one host sync. Fused optimizers
         (``_step_supports_amp_scaling``): a read-only check, ``grad_scale`` / ``found_inf``
         (exactly 0.0 or 1.0) handed to the optimizer, which skips on the device; no sync."""
-        if not self._enabled:
+        if not self._enabled:  # GradBuckets: a parameter with no gradient has grad None
+            attach_bucket_grads(optimizer)
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
