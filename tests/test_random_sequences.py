@@ -121,6 +121,16 @@ def test_random_call_sequence_matches_torch(backend, seed):
     _run(rng, setup, seed, Side(setup, seed, backend), Side(setup, seed, None))
 
 
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_call_sequence_with_a_disabled_scaler_matches_torch(backend, seed):
+    """``enabled=False`` on both sides: every call is torch's no-op or pass-through, and
+    GradBuckets still give grad None where no gradient came."""
+    rng = random.Random(seed)
+    setup = _draw_setup(rng)
+    setup["scaler"]["enabled"] = False
+    _run(rng, setup, seed, Side(setup, seed, backend), Side(setup, seed, None))
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_call_sequence_with_extensions_triton_matches_reference(seed, device):
