@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from _bucket_loops import bucketed, run_both
+from _bucket_loops import bucketed, outcome, run_both
 
 from triton_scaler import GradScaler
 
@@ -116,6 +116,33 @@ def test_grads_replaced_while_a_list_holds_the_old_views_are_seen(backend, n_par
 
     run_both(backend, build, loop)
 
+
+
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
+@pytest.mark.parametrize("how", ["data", "set_"])
+def test_a_grad_whose_memory_was_replaced_is_copied_back(backend, how):
+    """``p.grad.data = t`` or ``p.grad.set_(t)`` on a bucket view leaves a tensor that is
+    still a view object of the bucket but holds other memory: its values are the gradient, as
+    torch's optimizer uses them (copied back into the bucket, with a warning), not DDP's
+    bucket views (the error for those). Found by random sequences with such changes."""
+    build = bucketed(lambda: [torch.nn.Parameter(torch.randn(5)),
+                              torch.nn.Parameter(torch.randn(2, 3))])
+
+    def loop(params, opt, scaler, zero_grad):
+        outcomes = []
+        for step in range(3):
+            zero_grad()
+            scaler.scale(sum((p * p).sum() for p in params)).backward()
+            grad = params[step % 2].grad
+            if how == "data":
+                grad.data = grad.clone() * 3
+            else:
+                grad.set_(grad.clone() * 3)
+            outcomes.append(outcome(lambda: scaler.step(opt)))
+            scaler.update()
+        return outcomes
+
+    assert run_both(backend, build, loop) == ["ok"] * 3
 
 def test_zero_gives_back_the_view_of_a_grad_the_scaler_set_to_none(backend):
     """A middle parameter takes no part in a step (the scaler sets its grad None) while the

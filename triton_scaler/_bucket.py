@@ -166,14 +166,15 @@ class GradBucket:
                 unset.append(i)
             elif i in self._unset_by_us:  # we set it to None; autograd made a new one
                 quiet.append(i)
-            elif grad._is_view():  # a view into someone else's buffer: DDP's buckets
+            elif grad._is_view() and grad._base is not self.buffer:  # DDP's bucket views
                 raise RuntimeError(
                     "a gradient is a view into another buffer, not into its GradBucket: DDP "
                     "with gradient_as_bucket_view=True keeps grads in its own contiguous "
                     "buckets and replaces ours. Do not combine the two: drop GradBuckets (the "
                     "scaler covers DDP's grads with one chunk-table launch per (device, dtype)) "
                     "or build DDP with gradient_as_bucket_view=False")
-            else:  # not a view any more (zero_grad(set_to_none=True), or assigned)
+            else:  # not a view any more: zero_grad(set_to_none=True), assigned, or its
+                # memory replaced (``grad.data = t``, ``grad.set_(t)``: still a view object)
                 detached.append(i)
         if unset or dropped:  # (a dropped view was a grad until now: it may have been written)
             self._zeroed.difference_update(dropped)
@@ -187,7 +188,8 @@ class GradBucket:
                 self._warned = True
                 warnings.warn(
                     f"{len(detached)} gradient(s) are no longer views into their GradBucket "
-                    "(was optimizer.zero_grad() called with set_to_none=True?). "
+                    "(was optimizer.zero_grad() called with set_to_none=True, or a grad "
+                    "assigned or its .data replaced?). "
                     + ("They are copied back into the bucket each step, which costs a copy; "
                        if self._on_detach == "reattach" else
                        "They take the per-tensor path, off the one-launch fast path; ")
