@@ -86,6 +86,11 @@ def _zero_grad(side, k, set_to_none):
         side.optimizers[k].zero_grad(set_to_none=set_to_none != "zeros")
 
 
+#: Further changes, drawn when a setup asks for them (``more_grad_changes``): in place on
+#: the grad, its memory replaced on the same tensor object, or a new tensor from an op.
+MORE_GRAD_CHANGES = ["mul_", "copy_", "zero_", "data", "set_", "op"]
+
+
 def change_grad(side, i, how, position, value):
     p = side.params[i]
     if how == "none":
@@ -94,9 +99,27 @@ def change_grad(side, i, how, position, value):
         p.grad = p.grad.clone()
     elif how == "detach":  # a new tensor over the same memory
         p.grad = p.grad.detach()
+    elif how in MORE_GRAD_CHANGES:
+        _change_grad_more(p, how)
     elif p.grad.numel():  # plant a non-finite value
         index = torch.unravel_index(torch.tensor(position % p.grad.numel()), p.grad.shape)
         p.grad[tuple(int(x) for x in index)] = value
+
+
+def _change_grad_more(p, how):
+    grad = p.grad
+    if how == "mul_":
+        grad.mul_(2.0)
+    elif how == "copy_":
+        grad.copy_(torch.full_like(grad, 7.0))
+    elif how == "zero_":
+        grad.zero_()
+    elif how == "data":  # (a GradBucket view stays a view object, over other memory)
+        grad.data = grad.clone() * 3
+    elif how == "set_":
+        grad.set_(grad.clone() * 5)
+    else:
+        p.grad = grad * 0.5
 
 
 def _set_factor(side, name, value):
@@ -169,8 +192,10 @@ def draw_call(rng: random.Random, setup: dict, gen: torch.Generator):
     if kind == "zero_grad":
         return _zero_grad, (k, rng.choice(["buckets", "zeros", "none"]))
     if kind == "change_grad":
+        hows = ["none", "clone", "detach", "plant", "plant"]
         return change_grad, (rng.randrange(n_params),
-                              rng.choice(["none", "clone", "detach", "plant", "plant"]),
+                              rng.choice(hows + MORE_GRAD_CHANGES * 2
+                                         if setup.get("more_grad_changes") else hows),
                               rng.randrange(10**6), rng.choice(NON_FINITE))
     if kind == "set_factor":
         name, values = rng.choice([("growth_factor", [2.0, 1.5, 4.0]),

@@ -131,6 +131,16 @@ def test_random_call_sequence_with_a_disabled_scaler_matches_torch(backend, seed
     setup["scaler"]["enabled"] = False
     _run(rng, setup, seed, Side(setup, seed, backend), Side(setup, seed, None))
 
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_call_sequence_with_more_grad_changes_matches_torch(backend, seed):
+    """Grads also changed in place, through ``.data`` / ``set_`` (a GradBucket view object
+    over other memory) and by ops (``_random_calls.MORE_GRAD_CHANGES``)."""
+    rng = random.Random(seed)
+    setup = _draw_setup(rng)
+    setup["more_grad_changes"] = True
+    _run(rng, setup, seed, Side(setup, seed, backend), Side(setup, seed, None))
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_call_sequence_with_extensions_triton_matches_reference(seed, device):
