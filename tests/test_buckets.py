@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from _bucket_loops import bucketed, outcome, run_both
 from _loops import make_model, train
 from _util import assert_all_same
 
@@ -125,20 +126,44 @@ def test_bucket_overflow_is_detected_and_skips(backend):
     buckets.zero_()
 
 
+
+def test_float64_buckets_match_torch_without_buckets(backend):
+    """float64 parameters (GradScaler takes their grads, unscaled in float64) get their own
+    bucket; training, an overflow step included, equals torch's without buckets."""
+    build = bucketed(lambda: [torch.nn.Parameter(torch.randn(7, dtype=torch.float64)),
+                              torch.nn.Parameter(torch.randn(3, 5, dtype=torch.float64)),
+                              torch.nn.Parameter(torch.randn(4))],
+                     optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.1))
+
+    def loop(params, opt, scaler, zero_grad):
+        outcomes = []
+        for step in range(4):
+            zero_grad()
+            loss = sum((p.double() ** 2).sum() for p in params)
+            scaler.scale(loss * (math.inf if step == 1 else 1.0)).backward()
+            outcomes.append(outcome(lambda: scaler.step(opt)))
+            scaler.update()
+            outcomes.append(scaler.get_scale())
+        return outcomes
+
+    assert run_both(backend, build, loop)[2:4] == ["ok", 4.0]
+
 def test_mixed_dtypes_frozen_shared_and_rejected_params():
     a = torch.nn.Parameter(torch.ones(3))
     b = torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16))
+    c = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))  # GradScaler takes float64 too
     frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
-    opt = torch.optim.SGD([a, b, frozen], lr=0.1)
+    opt = torch.optim.SGD([a, b, c, frozen], lr=0.1)
     buckets = GradBuckets(opt)
-    assert len(buckets) == 2 and frozen.grad is None
-    assert sorted(str(bk.dtype) for bk in buckets) == ["torch.bfloat16", "torch.float32"]
+    assert len(buckets) == 3 and frozen.grad is None
+    assert sorted(str(bk.dtype) for bk in buckets) == ["torch.bfloat16", "torch.float32",
+                                                        "torch.float64"]
     shared = torch.nn.Parameter(torch.ones(4))
     assert len(GradBuckets([shared, shared]).buckets[0].params) == 1  # listed twice: once
     with pytest.raises(ValueError, match="already belongs to other GradBuckets"):
         GradBuckets([a])
-    with pytest.raises(TypeError, match="dtype torch.float64"):
-        GradBuckets([torch.nn.Parameter(torch.ones(2, dtype=torch.float64))])
+    with pytest.raises(TypeError, match="dtype torch.complex64; buckets hold float32, float16"):
+        GradBuckets([torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))])
     with pytest.raises(ValueError, match="on_detach must be 'reattach' or 'warn'"):
         GradBuckets([torch.nn.Parameter(torch.ones(1))], on_detach="ignore")
 

@@ -135,10 +135,13 @@ def test_random_call_sequence_with_a_disabled_scaler_matches_torch(backend, seed
 @pytest.mark.parametrize("seed", range(20))
 def test_random_call_sequence_with_more_grad_changes_matches_torch(backend, seed):
     """Grads also changed in place, through ``.data`` / ``set_`` (a GradBucket view object
-    over other memory) and by ops (``_random_calls.MORE_GRAD_CHANGES``)."""
+    over other memory) and by ops (``_random_calls.MORE_GRAD_CHANGES``); every third
+    parameter float64 (in its own bucket when drawn)."""
     rng = random.Random(seed)
     setup = _draw_setup(rng)
     setup["more_grad_changes"] = True
+    setup["params"] = [(shape, torch.float64 if i % 3 == 2 else dtype, transposed)
+                       for i, (shape, dtype, transposed) in enumerate(setup["params"])]
     _run(rng, setup, seed, Side(setup, seed, backend), Side(setup, seed, None))
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

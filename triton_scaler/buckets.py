@@ -31,7 +31,7 @@ class GradBuckets:
     their own: model and optimizer checkpoints are unaffected.
 
     One buffer per (device, dtype) of the parameters (CPU or CUDA; float32, float16,
-    bfloat16), 16-byte aligned; grads present when it is built are copied in. No method
+    bfloat16, float64), 16-byte aligned; grads present when it is built are copied in. No method
     synchronises with the host: they issue device ops (allocation, copies, fills) and read
     only host metadata (versions, addresses).
     """
@@ -65,9 +65,9 @@ class GradBuckets:
             if p in _bucketed:
                 raise ValueError(f"parameter {i} already belongs to other GradBuckets; build "
                                  "one GradBuckets per optimizer, over disjoint parameters")
-            if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            if p.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
                 raise TypeError(f"parameter {i} has dtype {p.dtype}; buckets hold float32, "
-                                "float16 or bfloat16 grads")
+                                "float16, bfloat16 or float64 grads (GradScaler's)")
             seen.add(id(p))
             groups.setdefault((p.device, p.dtype), []).append(p)
         self.buckets = [GradBucket(ps, on_detach) for ps in groups.values()]
