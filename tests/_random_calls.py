@@ -16,6 +16,16 @@ OPTIMIZERS = {
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
     "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
 }
+#: The kinds the setups draw from (the more-changes test draws from all of OPTIMIZERS)
+BASE_OPTIMIZERS = list(OPTIMIZERS)
+OPTIMIZERS.update({  # (not fused SGD: torch's keeps a skipped first step's momentum, README)
+    "adam_fused_wd": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True, weight_decay=0.1),
+    "adamw_amsgrad_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True, fused=True),
+    "adagrad_fused": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True),
+    "rmsprop_foreach": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, foreach=True),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-3),
+    "adam_capturable": lambda ps: torch.optim.Adam(ps, lr=1e-2, capturable=True, foreach=True),
+})
 NON_FINITE = (float("inf"), float("-inf"), float("nan"))
 
 

@@ -21,7 +21,7 @@ import random
 import pytest
 import torch
 from _loops import assert_same_optimizer_state
-from _random_calls import OPTIMIZERS, Side, change_grad, draw_call
+from _random_calls import BASE_OPTIMIZERS, OPTIMIZERS, Side, change_grad, draw_call
 from _util import assert_same
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket",
@@ -53,7 +53,7 @@ def _draw_setup(rng: random.Random, bf16: bool = True) -> dict:
     slices = [(0, len(params))] if cut is None else [(0, cut), (cut, len(params))]
     return {
         "params": params,
-        "optimizers": [(rng.choice(list(OPTIMIZERS)), s) for s in slices],
+        "optimizers": [(rng.choice(BASE_OPTIMIZERS), s) for s in slices],
         "buckets": rng.random() < 0.35,
         "on_detach": rng.choice(["reattach", "warn"]),
         "scaler": {"init_scale": rng.choice([2.0**16, 2.0**3, 1000.0, 2.0**100]),
@@ -136,12 +136,13 @@ def test_random_call_sequence_with_a_disabled_scaler_matches_torch(backend, seed
 def test_random_call_sequence_with_more_grad_changes_matches_torch(backend, seed):
     """Grads also changed in place, through ``.data`` / ``set_`` (a GradBucket view object
     over other memory) and by ops (``_random_calls.MORE_GRAD_CHANGES``); every third
-    parameter float64 (in its own bucket when drawn)."""
+    parameter float64 (in its own bucket when drawn); more optimizer kinds, fused ones too."""
     rng = random.Random(seed)
     setup = _draw_setup(rng)
     setup["more_grad_changes"] = True
     setup["params"] = [(shape, torch.float64 if i % 3 == 2 else dtype, transposed)
                        for i, (shape, dtype, transposed) in enumerate(setup["params"])]
+    setup["optimizers"] = [(rng.choice(list(OPTIMIZERS)), cut) for _, cut in setup["optimizers"]]
     _run(rng, setup, seed, Side(setup, seed, backend), Side(setup, seed, None))
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
