@@ -28,7 +28,7 @@ from triton_scaler import GradBuckets, GradScaler
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
 
-SEEDS = range(24)
+SEEDS = range(60)  # 48: torch stops at an empty grad with bf16 grads
 STEPS = 5
 
 
@@ -104,10 +104,17 @@ def _run(seed: int, backend: str | None, buckets: bool = False) -> list[tuple]:
     return steps
 
 
-def _compare(ours: list[tuple], theirs: list[tuple], exact: bool) -> None:
+def _without_torchs_last_error(ours: list[tuple], theirs: list[tuple]) -> tuple[list, list]:
+    """torch stops where its infinity norm meets an empty grad; ours leaves empty grads out
+    (README): the steps up to there are compared."""
     if theirs and theirs[-1][0] == "error":
         assert "infinity norm on an empty tensor" in theirs[-1][1]
-        ours, theirs = ours[:len(theirs) - 1], theirs[:-1]  # ours: empty grads left out
+        return ours[:len(theirs) - 1], theirs[:-1]
+    return ours, theirs
+
+
+def _compare(ours: list[tuple], theirs: list[tuple], exact: bool) -> None:
+    ours, theirs = _without_torchs_last_error(ours, theirs)
     assert len(ours) >= len(theirs)
     clipped = False
     for step, (a, b) in enumerate(zip(ours, theirs)):
@@ -138,8 +145,8 @@ def test_reference_clip_matches_torch(seed, buckets):
     theirs = _run(seed, None)
     ours = _run(seed, "reference", buckets)
     if _has_bf16(seed):  # torch's bf16 norm is bf16: compare what does not depend on it
-        assert [s[3] for s in ours[:len(theirs)] if s[0] != "error"] == \
-            [s[3] for s in theirs if s[0] != "error"]
+        ours, theirs = _without_torchs_last_error(ours, theirs)
+        assert [s[3] for s in ours[:len(theirs)]] == [s[3] for s in theirs]
         return
     _compare(ours, theirs, exact=True)
 
