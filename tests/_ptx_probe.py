@@ -74,14 +74,14 @@ def main():
                     facts[key + "/inv_from_scale"] = _compile(
                         unscale_kernel, signature, {**constexprs, "INV_FROM_SCALE": True},
                         aligned_ptr, GPU_NUM_WARPS)
-                if dtype in ("fp32", "bf16") and use_table:  # clip_grad_norm_'s two passes
-                    for name, extra in (("norm2", dict(WRITE=False, ROUND=True, NORM=2)),
-                                        ("norminf", dict(WRITE=False, ROUND=True, NORM=-1)),
-                                        ("clip", dict(WRITE=True, ROUND=True, CLIP=True))):
-                        if write == extra["WRITE"]:
-                            facts[f"clip/{dtype}/table/{name}"] = _compile(
-                                unscale_kernel, signature, {**constexprs, **extra},
-                                aligned_ptr, GPU_NUM_WARPS)
+                # clip_grad_norm_'s two passes: a table group's, or a bucket's (flat, padded)
+                for name, extra in (("norm2", dict(WRITE=False, ROUND=True, NORM=2)),
+                                    ("norminf", dict(WRITE=False, ROUND=True, NORM=-1)),
+                                    ("clip", dict(WRITE=True, ROUND=True, CLIP=True))):
+                    if write == extra["WRITE"]:
+                        facts[f"clip/{dtype}/{'table' if use_table else 'flat'}/{name}"] = \
+                            _compile(unscale_kernel, signature, {**constexprs, **extra},
+                                     aligned_ptr if use_table else aligned_size, GPU_NUM_WARPS)
     for hysteresis in (False, True):
         signature = {"scale_ptr": "*fp32", "growth_tracker_ptr": "*i32",
                      "found_inf_ptr": "*fp32", "hysteresis_tracker_ptr": "*i32",

@@ -23,8 +23,9 @@ def ptx_facts():
 
 
 def test_every_variant_compiles(ptx_facts):
-    # 16 dtype x path x mode, 6 unaligned-size flat, 2 inv-from-scale, 6 clip, 4 update
-    assert len(ptx_facts) == 4 * 2 * 2 + 6 + 2 + 2 * 3 + 4
+    # 16 dtype x path x mode, 6 unaligned-size flat, 2 inv-from-scale, 24 clip (dtype x path
+    # x pass), 4 update
+    assert len(ptx_facts) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -92,12 +93,16 @@ def test_fp64_grads_multiply_in_fp64(ptx_facts, mode):
     assert "cvt.rn.f32.f64" not in ops, ops  # never narrowed to fp32
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "fp64"])
+@pytest.mark.parametrize("path", ["flat", "table"])
 @pytest.mark.parametrize("name", ["norm2", "norminf", "clip"])
-def test_clip_passes_use_vector_loads(ptx_facts, dtype, name):
-    ops = ptx_facts[f"clip/{dtype}/table/{name}"]
-    assert "ld.global.v4.b32" in ops, ops
-    assert ("st.global.v4.b32" in ops) == (name == "clip"), ops
+def test_clip_passes_use_vector_loads(ptx_facts, dtype, path, name):
+    """Both passes of clip_grad_norm_, for a bucket (flat) and a table group, in every grad
+    dtype (float64: GradBuckets hold it too): 16-byte loads, 16-byte stores in the clip."""
+    ops = ptx_facts[f"clip/{dtype}/{path}/{name}"]
+    vector = "v2.b64" if dtype == "fp64" else "v4.b32"
+    assert f"ld.global.{vector}" in ops, ops
+    assert (f"st.global.{vector}" in ops) == (name == "clip"), ops
 
 
 def test_unscale_offsets_are_64_bit(ptx_facts):
