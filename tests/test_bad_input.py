@@ -123,7 +123,6 @@ def test_update_new_scale_is_checked(backend):
     assert scaler.get_scale() == 8.0
 
 
-
 def test_update_takes_a_tensor_new_scale_as_torch(backend):
     """A tensor ``new_scale`` is taken as it is, as torch's scaler takes it (checking it would
     read it from the device): a negative one then backs off by torch's rule on every backend
@@ -141,6 +140,7 @@ def test_update_takes_a_tensor_new_scale_as_torch(backend):
         scaler.update()
         scales.append(scaler.get_scale())
     assert scales == [-0.5, -0.5]
+
 
 def test_unscale_without_grads_raises_only_in_step_as_torch(backend):
     for scaler in (torch.amp.GradScaler("cpu"), GradScaler("cpu", backend=backend)):

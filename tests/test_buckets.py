@@ -126,7 +126,6 @@ def test_bucket_overflow_is_detected_and_skips(backend):
     buckets.zero_()
 
 
-
 def test_float64_buckets_match_torch_without_buckets(backend):
     """float64 parameters (GradScaler takes their grads, unscaled in float64) get their own
     bucket; training, an overflow step included, equals torch's without buckets."""
@@ -147,6 +146,7 @@ def test_float64_buckets_match_torch_without_buckets(backend):
         return outcomes
 
     assert run_both(backend, build, loop)[2:4] == ["ok", 4.0]
+
 
 def test_mixed_dtypes_frozen_shared_and_rejected_params():
     a = torch.nn.Parameter(torch.ones(3))

@@ -117,7 +117,6 @@ def test_grads_replaced_while_a_list_holds_the_old_views_are_seen(backend, n_par
     run_both(backend, build, loop)
 
 
-
 @pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
 @pytest.mark.parametrize("how", ["data", "set_"])
 def test_a_grad_whose_memory_was_replaced_is_copied_back(backend, how):
@@ -143,6 +142,7 @@ def test_a_grad_whose_memory_was_replaced_is_copied_back(backend, how):
         return outcomes
 
     assert run_both(backend, build, loop) == ["ok"] * 3
+
 
 def test_zero_gives_back_the_view_of_a_grad_the_scaler_set_to_none(backend):
     """A middle parameter takes no part in a step (the scaler sets its grad None) while the

@@ -58,7 +58,6 @@ def test_unscale_then_zero_then_step_leaves_parameters_without_grads_alone(backe
     assert _run_both(backend, build, loop) == ["ok", "ok"]
 
 
-
 @pytest.mark.parametrize("call", ["step", "unscale_", "clip_grad_norm_"])
 def test_a_disabled_scaler_leaves_parameters_without_a_gradient_alone(backend, call):
     """``GradScaler(enabled=False)`` with GradBuckets: a parameter that received no gradient
@@ -88,6 +87,7 @@ def test_a_disabled_scaler_leaves_parameters_without_a_gradient_alone(backend, c
         return outcomes
 
     assert _run_both(backend, build, loop, enabled=False)[-2:] == ["ok", [False, True]]
+
 
 @pytest.mark.parametrize("zero", ["set_to_none", "buckets"])
 def test_a_step_without_grads_raises_as_torch(backend, zero):

@@ -188,7 +188,6 @@ def test_bucket_fast_path_sees_assignment_after_backward(backend):
     assert_all_same(results[1], results[0])
 
 
-
 @pytest.mark.parametrize("zero", ["buckets", "zero_grad(set_to_none=False)"])
 @pytest.mark.parametrize("sizes", [(5, 9, 3), (0, 5, 9, 0), (7,)])
 def test_the_bucket_fast_path_is_taken_in_the_steady_state(sizes, zero):

@@ -93,7 +93,6 @@ def test_min_and_max_scale(backend):
     assert scale.item() == 100.0
 
 
-
 @pytest.mark.parametrize("init", [-1.0, -3.0e-30, -65536.0])
 def test_min_scale_zero_is_no_floor_as_torch(backend, init):
     """A negative scale (``update(new_scale=tensor)`` takes any value, as torch's) backs off
@@ -146,6 +145,7 @@ def test_random_states_match_torch(backend, seed):
                 except AssertionError as error:
                     raise AssertionError(f"{(scale, tracker, found, growth, backoff, interval)}"
                                          f", step {step}: {error}") from error
+
 
 def test_triton_reads_factors_from_the_params_buffer(triton_device):
     scale, tracker = (t.to(triton_device) for t in _state(1.0))

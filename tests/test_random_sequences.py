@@ -121,7 +121,6 @@ def test_random_call_sequence_matches_torch(backend, seed):
     _run(rng, setup, seed, Side(setup, seed, backend), Side(setup, seed, None))
 
 
-
 @pytest.mark.parametrize("seed", range(20))
 def test_random_call_sequence_with_a_disabled_scaler_matches_torch(backend, seed):
     """``enabled=False`` on both sides: every call is torch's no-op or pass-through, and
@@ -144,6 +143,7 @@ def test_random_call_sequence_with_more_grad_changes_matches_torch(backend, seed
                        for i, (shape, dtype, transposed) in enumerate(setup["params"])]
     setup["optimizers"] = [(rng.choice(list(OPTIMIZERS)), cut) for _, cut in setup["optimizers"]]
     _run(rng, setup, seed, Side(setup, seed, backend), Side(setup, seed, None))
+
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("seed", SEEDS)
