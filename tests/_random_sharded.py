@@ -2,8 +2,11 @@
 call sequences of test_random_sequences.py with ``triton_scaler.ShardedGradScaler`` on one
 side and torch's ``ShardedGradScaler`` on the other. Both ranks draw the same calls; rank 1's
 backward has an inf weight in every third call, so the ranks' own checks disagree and only the
-group's agreement makes them skip together, as torch's do."""
+group's agreement makes them skip together, as torch's do. With the Triton kernels (under the
+interpreter) also both sides ours, with triton_scaler's own settings drawn: the kernels
+against the reference path."""
 
+import functools
 import os
 
 import torch
@@ -19,12 +22,19 @@ def run_random_sharded(rank, world_size, store_file, seeds, out_dir):
 
         backends = ["reference"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1"
                                     else [])
+        cases = [(f"{backend} against torch",
+                  functools.partial(sequences.test_random_call_sequence_matches_torch, backend))
+                 for backend in backends]
+        if "triton" in backends:  # the extensions drawn too: the kernels against the reference
+            extensions = sequences.test_random_call_sequence_with_extensions_triton_matches_reference
+            cases.append(("extensions, triton against reference",
+                          lambda seed: extensions(seed, "cpu")))
         for seed in seeds:
-            for backend in backends:
+            for name, case in cases:
                 try:
-                    sequences.test_random_call_sequence_matches_torch(backend, seed)
+                    case(seed)
                 except Exception as error:  # noqa: BLE001 (reported per seed by the test)
-                    failures.append(f"seed {seed}, {backend}: {error!r}"[:600])
+                    failures.append(f"seed {seed}, {name}: {error!r}"[:600])
                 dist.barrier()
         torch.save({"failures": failures, "planted": planted[0]},
                    os.path.join(out_dir, f"rank{rank}.pt"))

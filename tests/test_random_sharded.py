@@ -1,6 +1,7 @@
 """triton_scaler.ShardedGradScaler against torch's over random call sequences on 2 gloo
 ranks (tests/_random_sharded.py): every call's outcome, the scale, the grads, the parameters
-and the optimizer state equal on each rank, while rank 1 alone overflows in some steps."""
+and the optimizer state equal on each rank, while rank 1 alone overflows in some steps; and,
+with triton_scaler's own settings drawn, the Triton kernels against the reference path."""
 
 from _random_sharded import run_random_sharded
 from _spawn import spawned_results
