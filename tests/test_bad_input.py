@@ -4,6 +4,7 @@ and its accepted values, and changes nothing. Both backends where a backend is i
 import copy
 import io
 import math
+import re
 
 import numpy as np
 import pytest
@@ -241,6 +242,10 @@ def test_apex_state_before_first_use_and_static_scales(backend):
     (dict(loss_scale=0.0), ValueError, "loss_scale must be a finite number > 0"),
     (dict(num_losses=0), ValueError, "num_losses must be an int >= 1"),
     (dict(backend="gpu"), ValueError, "backend must be one of"),
+    (dict(init_scale=0.125, min_loss_scale=0.25), ValueError,  # apex's names for the bounds
+     re.escape("init_scale must lie in [min_loss_scale, max_loss_scale] = [0.25, 16777216.0]")),
+    (dict(min_loss_scale=8.0, max_loss_scale=4.0), ValueError,
+     "min_loss_scale must be <= max_loss_scale"),
 ])
 def test_apex_checks_its_arguments_at_construction(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -252,7 +257,8 @@ def test_apex_load_state_dict_validates_before_changing(backend):
     good = amp.state_dict()
     for bad, match in (({"loss_scaler0": {"loss_scale": "x", "unskipped": 0}}, "must be a real"),
                        ({"loss_scaler0": {"loss_scale": 8.0, "unskipped": -1}}, "unskipped"),
-                       ({"loss_scaler0": {"loss_scale": 2.0**30, "unskipped": 0}}, "must lie"),
+                       ({"loss_scaler0": {"loss_scale": 2.0**30, "unskipped": 0}},
+                        r"must lie in \[min_loss_scale, max_loss_scale\]"),
                        ({"loss_scaler0": {"loss_scale": 8.0}}, "'loss_scale' and 'unskipped'")):
         with pytest.raises((TypeError, ValueError), match=match):
             amp.load_state_dict({**good, **bad})

@@ -65,17 +65,19 @@ def as_bool(name: str, value: object) -> bool:
     return value
 
 
-def check_scale_value(name: str, value: object, policy: ScalePolicy | None = None) -> float:
+def check_scale_value(name: str, value: object, policy: ScalePolicy | None = None,
+                      bounds: Namer = _plain) -> float:
     """A loss scale as a Python float: finite, a normal float32 (so its reciprocal, the
     ``inv_scale`` of the unscale op, is finite) and within the policy's
-    ``[min_scale, max_scale]``. ``ValueError`` / ``TypeError`` naming ``name`` otherwise."""
+    ``[min_scale, max_scale]``. ``ValueError`` / ``TypeError`` naming ``name`` otherwise (and
+    the bounds as ``bounds(field)``: an adapter's own argument names)."""
     scale = as_real(name, value)
     if not FP32_TINY <= scale <= FP32_MAX:
         raise ValueError(f"{name} must be a finite number > 0 that float32 holds with a finite "
                          f"reciprocal, i.e. in [{FP32_TINY!r}, {FP32_MAX!r}]; got {value!r}")
     if policy is not None and not policy.min_scale <= scale <= policy.max_scale:
-        raise ValueError(f"{name} must lie in [min_scale, max_scale] = [{policy.min_scale!r}, "
-                         f"{policy.max_scale!r}]; got {value!r}")
+        raise ValueError(f"{name} must lie in [{bounds('min_scale')}, {bounds('max_scale')}] = "
+                         f"[{policy.min_scale!r}, {policy.max_scale!r}]; got {value!r}")
     return scale
 
 

@@ -22,6 +22,10 @@ _NAMES = {"growth_interval": "scale_window", "min_scale": "min_loss_scale",
 _SKIP_ATTR = "_triton_scaler_apex_pending"
 
 
+def _apex_name(field: str) -> str:
+    return _NAMES.get(field, field)
+
+
 class Amp:
     """apex amp's loss-scale handling for ``num_losses`` losses.
 
@@ -45,11 +49,11 @@ class Amp:
             self._policy = ScalePolicy.create(
                 dict(growth_interval=scale_window,
                      min_scale=0.0 if min_loss_scale is None else min_loss_scale,
-                     max_scale=max_loss_scale), name=lambda field: _NAMES.get(field, field))
+                     max_scale=max_loss_scale), name=_apex_name)
             # apex caps the initial scale at max_loss_scale
             self._init = check_scale_value("init_scale", min(as_real("init_scale", init_scale),
                                                              self._policy.max_scale),
-                                           self._policy)
+                                           self._policy, _apex_name)
         else:  # static: apex ignores the window and the floor / cap, and never skips
             if isinstance(loss_scale, str):
                 raise ValueError(f"loss_scale must be 'dynamic' or a number; got {loss_scale!r}")
@@ -135,7 +139,7 @@ class Amp:
                                  f"'unskipped'; got {entry!r}")
             policy = self._policy if self._dynamic else None
             scale = check_scale_value(f"state_dict[{key!r}]['loss_scale']", entry["loss_scale"],
-                                      policy)
+                                      policy, _apex_name)
             unskipped = as_int(f"state_dict[{key!r}]['unskipped']", entry["unskipped"], 0,
                                INT32_MAX, "an int >= 0")
             states.append({"scale": scale, "growth_factor": 2.0, "backoff_factor": 0.5,
