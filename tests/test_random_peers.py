@@ -1,0 +1,87 @@
+"""The adapters and GradScaler's extensions against each peer's transcribed rule
+(tests/_peers.py) over random settings and overflow sequences: scale and trackers after every
+step, and (apex) which optimizer steps were skipped."""
+
+import math
+import random
+
+import pytest
+import torch
+from _peers import ApexLossScaler, MegatronDynamicGradScaler, MindSporeDynamicLossScaler
+
+from triton_scaler import GradScaler
+from triton_scaler.compat.apex import Amp
+from triton_scaler.compat.mindspore import DynamicLossScaler
+
+SEEDS = range(12)
+
+
+def _flags(rng: random.Random) -> list[bool]:
+    p_overflow = rng.choice([0.05, 0.3, 0.7])
+    return [rng.random() < p_overflow for _ in range(rng.randint(1, 80))]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_apex_amp_follows_apex_over_random_settings(backend, seed):
+    rng = random.Random(seed)
+    min_scale = rng.choice([None, 0.0, 1.0, 2.0**10, 0.25])
+    max_scale = rng.choice([2.0**24, 2.0**17, 4.0, math.inf])
+    if min_scale is not None and min_scale > max_scale:
+        min_scale, max_scale = max_scale, min_scale
+    init = max(rng.choice([1.0, 2.0**16, 2.0**30, 3.0, 2.0**-3]), min_scale or 0.0)
+    window = rng.randint(1, 6)
+    amp = Amp(init_scale=init, min_loss_scale=min_scale, max_loss_scale=max_scale,
+              scale_window=window, backend=backend)
+    peer = ApexLossScaler(init, window, min_scale, max_scale)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for step, overflow in enumerate(_flags(rng)):
+        before = p.detach().clone()
+        with amp.scale_loss(p.sum() * (math.inf if overflow else 1.0), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        peer.update_scale(overflow)
+        assert torch.equal(p.detach(), before) == overflow, step
+        assert amp.state_dict()["loss_scaler0"] == {"loss_scale": peer._loss_scale,
+                                                    "unskipped": peer._unskipped}, step
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_mindspore_adjust_follows_mindspore_over_random_settings(backend, seed):
+    rng = random.Random(seed)
+    factor = rng.choice([2, 4, 3, 5, 10])
+    init, window = rng.choice([1.0, 2.0**24, 3e38, 7.0, 2.0**127, 1.5]), rng.randint(1, 6)
+    ours = DynamicLossScaler(init, factor, window, device="cpu", backend=backend)
+    peer = MindSporeDynamicLossScaler(init, factor, window)
+    for step, overflow in enumerate(_flags(rng)):
+        finite = torch.tensor(not overflow)
+        ours.adjust(finite)
+        peer.adjust(finite)
+        assert ours.scale_value.item() == peer.scale_value.item(), step
+        assert ours.counter.item() == peer.counter.item(), step
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_hysteresis_follows_megatron_over_random_settings(backend, seed):
+    """Megatron's scale grows to inf (no finiteness check; ours stays finite, README): the
+    initial scales stay far enough below fp32's maximum for that not to happen here."""
+    rng = random.Random(seed)
+    min_scale = rng.choice([1.0, 2.0**-5, 2.0**10])
+    init = max(rng.choice([2.0**16, 2.0**32, 1.0, 2.0**60]), min_scale)
+    hysteresis, window = rng.randint(1, 4), rng.randint(1, 6)
+    scaler = GradScaler("cpu", init_scale=init, growth_interval=window, hysteresis=hysteresis,
+                        min_scale=min_scale, backend=backend)
+    peer = MegatronDynamicGradScaler(init, min_scale, 2.0, 0.5, window, hysteresis)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for step, overflow in enumerate(_flags(rng)):
+        scaler.scale(p.sum() * (math.inf if overflow else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        peer.update(overflow)
+        assert scaler.get_scale() == peer._scale.item(), step
+        assert scaler._get_growth_tracker() == peer._growth_tracker, step
+        if hysteresis > 1:  # (with 1, torch's rule: ours keeps no count, Megatron's goes < 0)
+            assert scaler.state_dict()["_hysteresis_tracker"] == peer._hysteresis_tracker, step
