@@ -1,8 +1,9 @@
-"""Worker of test_random_fsdp2.py: one rank of a 2-process gloo group that runs random call
+"""Worker of test_random_fsdp.py: one rank of a 2-process gloo group that runs random call
 sequences on an FSDP2 model (DTensor grads) with triton_scaler's GradScaler on one side and
-torch's on the other. Both ranks draw the same calls; an inf / NaN goes into one drawn rank's
-input (the reduce-scatter then spreads it into some ranks' shards only) or into one rank's
-local grad shard, so only the agreement over the mesh makes both ranks skip together."""
+torch's on the other, and on an FSDP1 model (flat shards) with the sharded scalers. Both
+ranks draw the same calls; an inf / NaN goes into one drawn rank's input (the reduce-scatter
+then spreads it into some ranks' shards only) or into one rank's local grad shard, so only
+the agreement over the group makes both ranks skip together."""
 
 import math
 import os
@@ -27,12 +28,10 @@ DELIBERATE = (("AttributeError", "'int' object has no attribute 'device'"),
               ("AssertionError", "No inf checks were recorded for this optimizer."))
 
 
-def _side(seed: int, ours: bool, backend: str):
+def _side(seed: int, ours: bool, backend: str, engine: str):
     """The model (random Linear sizes, some layers sharded on their own, a frozen weight, bf16
-    compute), its optimizer and a scaler, drawn from ``seed`` alike for both sides."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+    compute), its optimizer and a scaler, drawn from ``seed`` alike for both sides. FSDP1:
+    the sharded scalers, as its users take them (torch's fails with a CPU fused Adam)."""
     import triton_scaler
 
     rng = random.Random(seed)
@@ -42,22 +41,49 @@ def _side(seed: int, ours: bool, backend: str):
     model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.Tanh())])
     if rng.random() < 0.2 and len(layers) > 1:
         layers[0].weight.requires_grad_(False)
+    bf16 = rng.random() < 0.3
+    model = (_fully_shard if engine == "fsdp2" else _fsdp1)(model, layers, bf16, rng)
+    params = [p for p in model.parameters() if p.requires_grad]
+    kinds = sorted(OPTIMIZERS) if engine == "fsdp2" else sorted(set(OPTIMIZERS) - {"adam_fused"})
+    optimizer = OPTIMIZERS[rng.choice(kinds)](params)
+    settings = dict(init_scale=rng.choice([2.0**4, 2.0**16, 1.0]),
+                    growth_interval=rng.randint(1, 4), backoff_factor=rng.choice([0.5, 0.25]))
+    if engine == "fsdp2":
+        scaler = (triton_scaler.GradScaler("cpu", **settings, backend=backend) if ours
+                  else torch.amp.GradScaler("cpu", **settings))
+    else:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = (triton_scaler.ShardedGradScaler("cpu", **settings, backend=backend) if ours
+                  else ShardedGradScaler("cpu", **settings))
+    return dict(model=model, params=params, optimizer=optimizer, scaler=scaler, dims=dims,
+                ours=ours, engine=engine)
+
+
+def _fully_shard(model, layers, bf16, rng):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mesh = init_device_mesh("cpu", (2,))
     kwargs = ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                 reduce_dtype=torch.float32)}
-              if rng.random() < 0.3 else {})
+                                                 reduce_dtype=torch.float32)} if bf16 else {})
     for layer in layers:
         if rng.random() < 0.6:
             fully_shard(layer, mesh=mesh, **kwargs)
-    fully_shard(model, mesh=mesh, **kwargs)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = OPTIMIZERS[rng.choice(sorted(OPTIMIZERS))](params)
-    settings = dict(init_scale=rng.choice([2.0**4, 2.0**16, 1.0]),
-                    growth_interval=rng.randint(1, 4), backoff_factor=rng.choice([0.5, 0.25]))
-    scaler = (triton_scaler.GradScaler("cpu", **settings, backend=backend) if ours
-              else torch.amp.GradScaler("cpu", **settings))
-    return dict(model=model, params=params, optimizer=optimizer, scaler=scaler, dims=dims,
-                ours=ours)
+    return fully_shard(model, mesh=mesh, **kwargs)
+
+
+def _fsdp1(model, layers, bf16, rng):
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+
+    kwargs = dict(device_id=torch.device("cpu"),  # a frozen weight needs the original params
+                  use_orig_params=rng.random() < 0.5 or not layers[0].weight.requires_grad,
+                  mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                 reduce_dtype=torch.float32) if bf16 else None)
+    for i, layer in enumerate(layers):
+        if rng.random() < 0.5:
+            model[2 * i] = FullyShardedDataParallel(layer, **kwargs)
+    return FullyShardedDataParallel(model, **kwargs)
 
 
 #: a training iteration's next call, drawn more often than any other after each call
@@ -97,10 +123,12 @@ def _call(side: dict, kind: str, args: tuple, fused_clip: bool):
     elif kind == "unscale":
         scaler.unscale_(optimizer)
     elif kind == "clip":
+        fsdp1 = side["engine"] == "fsdp1"
         if fused_clip and side["ours"]:
-            return scaler.clip_grad_norm_(optimizer, 0.5)
-        scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(params, 0.5)
+            return scaler.clip_grad_norm_(optimizer, 0.5, sharded=True if fsdp1 else None)
+        scaler.unscale_(optimizer)  # then the engine's own clip
+        norm = (side["model"].clip_grad_norm_(0.5) if fsdp1
+                else torch.nn.utils.clip_grad_norm_(params, 0.5))
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # (no grads: 0.)
     elif kind == "step":
         return scaler.step(optimizer)
@@ -116,8 +144,8 @@ def _call(side: dict, kind: str, args: tuple, fused_clip: bool):
 def _plant(params, index, where, value, here):
     """``value`` into this rank's local shard of one grad, when ``here``."""
     grad = params[index].grad
-    if grad is not None and here and grad.to_local().numel():
-        local = grad.to_local().view(-1)
+    if grad is not None and here and _local(grad).numel():
+        local = _local(grad).view(-1)
         local[int(where * local.numel())] = value
 
 
@@ -153,10 +181,10 @@ def _compare(ours: tuple, theirs: tuple, sides: tuple) -> None:
                 assert_same(_local(state[key]), _local(value))
 
 
-def run_seed(seed: int, rank: int, backend: str) -> str | None:
+def run_seed(seed: int, rank: int, backend: str, engine: str) -> str | None:
     """The first difference of one random sequence, or None. Every call runs on both ranks
     whatever its outcome, so the ranks' collectives stay in step."""
-    sides = (_side(seed, True, backend), _side(seed, False, backend))
+    sides = (_side(seed, True, backend, engine), _side(seed, False, backend, engine))
     rng = random.Random(seed * 7 + 1)
     # ours' fused clip is bit-identical to torch's on the reference path (README)
     fused_clip = backend == "reference" and rng.random() < 0.5
@@ -173,21 +201,22 @@ def run_seed(seed: int, rank: int, backend: str) -> str | None:
     return first
 
 
-def run_random_fsdp2(rank, world_size, store_file, seeds, out_dir):
+def run_random_fsdp(rank, world_size, store_file, seeds_by_engine, out_dir):
     init_group(rank, world_size, store_file)
     try:
         backends = ["reference"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1"
                                     else [])
         failures = []
-        for backend in backends:
-            for seed in seeds:
-                try:
-                    failure = run_seed(seed, rank, backend)
-                except Exception as error:  # noqa: BLE001 (reported per seed by the test)
-                    failure = f"seed {seed}: {error!r}"[:600]
-                if failure:
-                    failures.append(f"{backend}: {failure}")
-                dist.barrier()
+        for engine, seeds in seeds_by_engine.items():
+            for backend in backends:
+                for seed in seeds:
+                    try:
+                        failure = run_seed(seed, rank, backend, engine)
+                    except Exception as error:  # noqa: BLE001 (reported per seed by the test)
+                        failure = f"seed {seed}: {error!r}"[:600]
+                    if failure:
+                        failures.append(f"{engine}, {backend}: {failure}")
+                    dist.barrier()
         torch.save({"failures": failures}, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
     finally:
