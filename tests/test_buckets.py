@@ -281,3 +281,31 @@ def test_a_sparse_embedding_in_a_bucket_gets_a_dense_grad():
     emb(torch.tensor([1, 1, 5])).sum().backward()
     assert not emb.weight.grad.is_sparse
     assert emb.weight.grad.sum(dim=1).tolist() == [0.0, 6.0, 0.0, 0.0, 0.0, 3.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_grads_accumulated_into_the_views_keep_negative_zeros(dtype):
+    """Autograd adds into a bucket view (grad += g); the buckets are filled with -0.0, so a -0.0
+    in g stays -0.0 (0.0 + -0.0 is 0.0), bit for bit a fresh grad as after torch's default
+    zero_grad(): after the buckets are built, after buckets.zero_(), and accumulated. (The
+    -0.0s of a grad reach the parameters: an SGD step moves a -0.0 parameter by -lr * g.)"""
+    weight = torch.tensor([-0.0, 1.0, -2.0, 0.0, -0.0], dtype=dtype)
+
+    def run(buckets, backwards):
+        p = torch.nn.Parameter(torch.tensor([-0.0, 3.0, 1.0, -0.0, 2.0], dtype=dtype))
+        opt = torch.optim.SGD([p], lr=0.5)
+        held = GradBuckets(opt) if buckets else None
+        seen = []
+        for _ in range(2):
+            held.zero_() if held else opt.zero_grad()
+            for _ in range(backwards):
+                (p * weight).sum().backward()
+            seen.append(p.grad.clone())
+            opt.step()
+            seen.append(p.detach().clone())
+        return seen
+
+    for backwards in (1, 2):
+        expected = run(False, backwards)
+        assert expected[0][0].item() == 0 and expected[0][0].signbit()  # a -0.0 to keep
+        assert_all_same(run(True, backwards), expected)

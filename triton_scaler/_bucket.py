@@ -53,7 +53,9 @@ class GradBucket:
             self._layout.append((p.shape, _grad_strides(p), total))
             total += -(-p.numel() // align) * align  # each view starts 16-byte aligned
         total = -(-total // 16) * 16  # a size % 16 == 0: the launch specialises aligned
-        self.buffer = torch.zeros(total, dtype=self.dtype, device=self.device)
+        # -0.0, not 0.0: autograd accumulates into a view (grad += g), and -0.0 + g is g
+        # bit for bit, a -0.0 in g included (0.0 + -0.0 is 0.0), as a fresh grad would be
+        self.buffer = torch.full((total,), -0.0, dtype=self.dtype, device=self.device)
         covered = torch.zeros(total, dtype=torch.bool)
         for p, (_, _, offset) in zip(params, self._layout):
             covered[offset:offset + p.numel()] = True
@@ -201,7 +203,7 @@ class GradBucket:
         return self.param_ids if len(ids) == len(self.params) else ids
 
     def zero_(self) -> None:
-        """One fill of the buffer, every grad its view again, and this step's records
+        """One fill of the buffer (with -0.0), every grad its view again, and this step's records
         cleared. The re-pointing loop runs only when needed: when the O(1) check fails, or
         when grads were not views at the last check (a view held elsewhere may keep the
         storage's count)."""
@@ -211,7 +213,7 @@ class GradBucket:
         self.received.clear()
         self._unset_by_us.clear()
         self._zeroed.clear()
-        self.buffer.zero_()
+        self.buffer.fill_(-0.0)  # (-0.0 + g == g exactly, see __init__)
         self.checked()
 
     def buffer_rewritten(self) -> None:
