@@ -184,6 +184,9 @@ def draw_call(rng: random.Random, setup: dict, gen: torch.Generator):
                 if w.numel() and rng.random() < 0.15:
                     position = rng.choice([0, w.numel() - 1, rng.randrange(w.numel())])
                     w.view(-1)[position] = rng.choice(NON_FINITE)
+                if w.numel() and setup.get("more_grad_changes") and rng.random() < 0.3 \
+                        and not setup["buckets"]:  # (with buckets: README, test_buckets.py)
+                    w.view(-1)[rng.randrange(w.numel())] = -0.0  # a -0.0 in the grad
                 weights.append((i, w))
         return _backward, (weights or [(0, torch.zeros(()))], rng.random() < 0.2)
     if kind == "unscale":

@@ -42,13 +42,18 @@ def _side(seed: int, ours: bool, backend: str, engine: str):
     if rng.random() < 0.2 and len(layers) > 1:
         layers[0].weight.requires_grad_(False)
     bf16 = rng.random() < 0.3
-    model = (_fully_shard if engine == "fsdp2" else _fsdp1)(model, layers, bf16, rng)
+    model = {"fsdp2": _fully_shard, "fsdp1": _fsdp1, "ddp": _ddp}[engine](model, layers, bf16,
+                                                                          rng)
     params = [p for p in model.parameters() if p.requires_grad]
-    kinds = sorted(OPTIMIZERS) if engine == "fsdp2" else sorted(set(OPTIMIZERS) - {"adam_fused"})
+    kinds = sorted(OPTIMIZERS) if engine != "fsdp1" else sorted(set(OPTIMIZERS) - {"adam_fused"})
     optimizer = OPTIMIZERS[rng.choice(kinds)](params)
     settings = dict(init_scale=rng.choice([2.0**4, 2.0**16, 1.0]),
                     growth_interval=rng.randint(1, 4), backoff_factor=rng.choice([0.5, 0.25]))
-    if engine == "fsdp2":
+    # DDP: ours with GradBuckets when drawn (DDP then copies the reduced grads into the views)
+    buckets = (engine == "ddp" and not model.gradient_as_bucket_view and rng.random() < 0.6)
+    if buckets and ours:
+        buckets = triton_scaler.GradBuckets(optimizer)
+    if engine != "fsdp1":
         scaler = (triton_scaler.GradScaler("cpu", **settings, backend=backend) if ours
                   else torch.amp.GradScaler("cpu", **settings))
     else:
@@ -57,7 +62,7 @@ def _side(seed: int, ours: bool, backend: str, engine: str):
         scaler = (triton_scaler.ShardedGradScaler("cpu", **settings, backend=backend) if ours
                   else ShardedGradScaler("cpu", **settings))
     return dict(model=model, params=params, optimizer=optimizer, scaler=scaler, dims=dims,
-                ours=ours, engine=engine)
+                ours=ours, engine=engine, buckets=buckets)
 
 
 def _fully_shard(model, layers, bf16, rng):
@@ -71,6 +76,12 @@ def _fully_shard(model, layers, bf16, rng):
         if rng.random() < 0.6:
             fully_shard(layer, mesh=mesh, **kwargs)
     return fully_shard(model, mesh=mesh, **kwargs)
+
+
+def _ddp(model, layers, bf16, rng):
+    """(bf16 is not drawn for DDP, which has no mixed-precision setting on CPU.)"""
+    return torch.nn.parallel.DistributedDataParallel(
+        model, gradient_as_bucket_view=rng.random() < 0.3)
 
 
 def _fsdp1(model, layers, bf16, rng):
@@ -109,8 +120,8 @@ def _draw(rng: random.Random, previous: str, dims: list[int], n_params: int, ran
         return kind, (x, 1e30 if rng.random() < 0.1 else 1.0, plant)
     if kind == "update":
         return kind, (rng.choice([None] * 8 + [8.0, 2.0**10]),)
-    if kind == "zero_grad":
-        return kind, (rng.random() < 0.6,)
+    if kind == "zero_grad":  # ("buckets": buckets.zero_() where ours has them)
+        return kind, (rng.choice([True, True, False, "buckets"]),)
     return kind, ()
 
 
@@ -135,7 +146,10 @@ def _call(side: dict, kind: str, args: tuple, fused_clip: bool):
     elif kind == "update":
         scaler.update(*args)
     elif kind == "zero_grad":
-        optimizer.zero_grad(set_to_none=args[0])
+        if args[0] == "buckets" and side["buckets"]:
+            side["buckets"].zero_() if side["ours"] else optimizer.zero_grad()
+        else:
+            optimizer.zero_grad(set_to_none=args[0] in (True, "buckets"))
     else:
         scaler.load_state_dict(scaler.state_dict())
     return None
@@ -171,9 +185,13 @@ def _compare(ours: tuple, theirs: tuple, sides: tuple) -> None:
     assert mine["scaler"]._get_growth_tracker() == torchs["scaler"]._get_growth_tracker()
     for i, (p, q) in enumerate(zip(mine["params"], torchs["params"])):
         assert_same(_local(p).detach(), _local(q).detach())
-        assert (p.grad is None) == (q.grad is None), f"grad {i}"
-        if p.grad is not None:
-            assert_same(_local(p.grad), _local(q.grad))
+        if q.grad is None and mine["buckets"] and p.grad is not None:
+            # a zero view until the step when no gradient came (README, "Flat gradient buckets")
+            assert not p.grad.any(), f"grad {i}"
+        else:
+            assert (p.grad is None) == (q.grad is None), f"grad {i}"
+            if p.grad is not None:
+                assert_same(_local(p.grad), _local(q.grad))
     for state, expected in zip(mine["optimizer"].state.values(),
                                torchs["optimizer"].state.values()):
         for key, value in expected.items():

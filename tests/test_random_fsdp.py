@@ -1,17 +1,18 @@
 """triton_scaler's scalers against torch's over random call sequences on 2 gloo ranks
 (tests/_random_fsdp.py): GradScaler on an FSDP2 model (DTensor grads), ShardedGradScaler on an
-FSDP1 one (flat shards). Every call's outcome, the scale, the local parameter, grad and
-optimizer-state shards equal on each rank, while an inf / NaN reaches only some ranks'
-shards; both backends (Triton through the interpreter)."""
+FSDP1 one (flat shards), GradScaler (with GradBuckets when drawn) on a DDP one. Every call's
+outcome, the scale, the local parameter, grad and optimizer-state shards equal on each rank,
+while an inf / NaN reaches only some ranks' shards; both backends (Triton through the
+interpreter)."""
 
 from _random_fsdp import run_random_fsdp
 from _spawn import spawned_results
 
-SEEDS = {"fsdp2": range(16), "fsdp1": range(10)}
+SEEDS = {"fsdp2": range(16), "fsdp1": range(10), "ddp": range(10)}
 _results: dict = {}
 
 
-def test_random_sequences_on_fsdp2_and_fsdp1_match_torch(tmp_path_factory):
+def test_random_sequences_on_fsdp2_fsdp1_and_ddp_match_torch(tmp_path_factory):
     results = spawned_results(_results, "random-fsdp", run_random_fsdp, tmp_path_factory,
                               {engine: list(seeds) for engine, seeds in SEEDS.items()},
                               timeout_s=300)
