@@ -5,6 +5,7 @@ ranks draw the same calls; an inf / NaN goes into one drawn rank's input (the re
 then spreads it into some ranks' shards only) or into one rank's local grad shard, so only
 the agreement over the group makes both ranks skip together."""
 
+import contextlib
 import math
 import os
 import random
@@ -102,7 +103,8 @@ NEXT = {"backward": "step", "unscale": "step", "clip": "step", "step": "update",
         "update": "zero_grad", "zero_grad": "backward", "checkpoint": "backward"}
 
 
-def _draw(rng: random.Random, previous: str, dims: list[int], n_params: int, rank: int):
+def _draw(rng: random.Random, previous: str, dims: list[int], n_params: int, rank: int,
+          engine: str, bucketed: bool):
     """One call and its arguments, drawn alike on both ranks (rank only picks the data)."""
     kind = NEXT[previous] if rng.random() < 0.5 else rng.choices(list(CALLS),
                                                                   list(CALLS.values()))[0]
@@ -117,18 +119,25 @@ def _draw(rng: random.Random, previous: str, dims: list[int], n_params: int, ran
         # every rank's shards through the reduce-scatter)
         plant = (rng.randrange(n_params), rng.random(), rng.choice([math.inf, math.nan]),
                  rng.randrange(2) == rank) if rng.random() < 0.4 else None
-        return kind, (x, 1e30 if rng.random() < 0.1 else 1.0, plant)
+        # DDP: some backwards inside no_sync() (accumulated locally, reduced at the next one)
+        no_sync = engine == "ddp" and rng.random() < 0.3
+        return kind, (x, 1e30 if rng.random() < 0.1 else 1.0, plant, no_sync)
     if kind == "update":
         return kind, (rng.choice([None] * 8 + [8.0, 2.0**10]),)
     if kind == "zero_grad":  # ("buckets": buckets.zero_() where ours has them)
-        return kind, (rng.choice([True, True, False, "buckets"]),)
+        # (not set_to_none=False with buckets: before a parameter's first gradient torch's
+        # grad is None and ours a 0.0 view, which turns a -0.0 in that gradient into 0.0,
+        # the one sign-of-zero difference the README documents)
+        return kind, (rng.choice([True, True, "buckets"] if bucketed else
+                                 [True, True, False, "buckets"]),)
     return kind, ()
 
 
 def _call(side: dict, kind: str, args: tuple, fused_clip: bool):
     scaler, optimizer, params = side["scaler"], side["optimizer"], side["params"]
     if kind == "backward":
-        scaler.scale(side["model"](args[0]).sum() * args[1]).backward()
+        with side["model"].no_sync() if args[3] else contextlib.nullcontext():
+            scaler.scale(side["model"](args[0]).sum() * args[1]).backward()
         if args[2] is not None:
             _plant(params, *args[2])
     elif kind == "unscale":
@@ -208,7 +217,8 @@ def run_seed(seed: int, rank: int, backend: str, engine: str) -> str | None:
     fused_clip = backend == "reference" and rng.random() < 0.5
     first, kind = None, "zero_grad"
     for number in range(rng.randint(5, 40)):
-        kind, args = _draw(rng, kind, sides[0]["dims"], len(sides[0]["params"]), rank)
+        kind, args = _draw(rng, kind, sides[0]["dims"], len(sides[0]["params"]), rank, engine,
+                           bool(sides[0]["buckets"]))
         ours, theirs = (_outcome(side, kind, args, fused_clip) for side in sides)
         if (theirs[1], ours[1]) == DELIBERATE:
             break
