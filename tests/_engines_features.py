@@ -90,7 +90,48 @@ def run_buckets(rank, world_size, store_file, backend, out_dir):
             finals.append(([p.detach().clone() for p in ddp.parameters()], scaler.get_scale()))
         results["ddp_buckets_equal"] = finals[0][1] == finals[1][1] and all(
             torch.equal(a, b) for a, b in zip(finals[0][0], finals[1][0]))
+        results["ddp_unused"] = [_ddp_unused_branches(kind, backend, rank)
+                                 for kind in ("torch", "ours")]
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+class _Branches(torch.nn.Module):
+    """A trunk and two branches: ``use`` picks the branches this forward runs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.left, self.right = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x, use):
+        x = self.trunk(x)
+        return sum((getattr(self, name)(x) for name in use), x)
+
+
+def _ddp_unused_branches(kind, backend, rank):
+    """DDP(find_unused_parameters=True) where the ranks use different branches: a parameter
+    unused on this rank but used on the other gets DDP's reduced gradient in its grad (written,
+    not accumulated) and is stepped; one unused on both keeps grad None. Per step: the scale,
+    which grads are None, and the parameters; an inf on rank 1 at step 3."""
+    from triton_scaler import GradBuckets
+
+    model = torch.nn.parallel.DistributedDataParallel(_Branches(),
+                                                      find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    buckets = GradBuckets(opt) if kind == "ours" else None
+    scaler = _scaler("ddp", kind, backend)
+    uses = ([("left",), ("left",), (), ("left", "right"), ()],  # rank 0
+            [("right",), ("left",), ("left",), (), ()])  # rank 1: step 4 unused everywhere
+    gen, records = torch.Generator().manual_seed(rank), []
+    for step, use in enumerate(uses[rank]):
+        buckets.zero_() if buckets else opt.zero_grad()
+        loss = model(torch.randn(2, 4, generator=gen), use).sum()
+        scaler.scale(loss * (math.inf if rank == 1 and step == 3 else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        records.append((scaler.get_scale(), [p.grad is None for p in model.parameters()],
+                        [p.detach().clone() for p in model.parameters()]))
+    return records

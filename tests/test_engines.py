@@ -68,6 +68,12 @@ def test_grad_buckets_with_the_engines(backend, tmp_path):
         assert "use GradScaler without GradBuckets" in results["fsdp2"]
         assert "gradient_as_bucket_view=True" in results["ddp_bucket_view"]
         assert results["ddp_buckets_equal"]
+        theirs, ours = results["ddp_unused"]  # DDP(find_unused_parameters=True)
+        for step, ((scale, nones, params), (scale_, nones_, params_)) in enumerate(zip(theirs,
+                                                                                        ours)):
+            assert scale_ == scale and nones_ == nones, (rank, step)
+            assert all(torch.equal(a, b) for a, b in zip(params_, params)), (rank, step)
+        assert theirs[4][1] == [False, False, True, True, True, True]  # none used the branches
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -24,6 +24,13 @@ def _grad_strides(p: torch.Tensor) -> tuple[int, ...]:
     return torch.empty_like(p, device="meta").stride()
 
 
+def _distributed() -> bool:
+    """A default process group exists (DDP may write grads without autograd)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _storage_refs(t: torch.Tensor) -> int:
     """How many tensors (TensorImpls) share ``t``'s storage, plus one for the query itself."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
@@ -149,8 +156,10 @@ class GradBucket:
         per-tensor path (``"warn"``); both warn once.
         """
         received = self.received
+        writes = self.buffer._version - self._version
+        accumulations = self._left - operator.length_hint(self._countdown)
         fast = not self.not_views and len(received) == len(self.params) and \
-            self.accumulated_in_views() and self.all_views_in_place()
+            writes >= accumulations and self.all_views_in_place()
         self.checked()
         if fast:
             return self.param_ids  # the O(1) path: nothing to do
@@ -158,12 +167,7 @@ class GradBucket:
         for i, p in enumerate(self.params):
             grad = p.grad
             if grad is not None and self._is_view(i, grad):
-                if i in received:
-                    held.append(i)
-                else:  # no gradient this iteration: as torch, grad None
-                    p.grad = None
-                    self._unset_by_us.add(i)
-                    dropped.append(i)
+                (held if i in received else dropped).append(i)
             elif grad is None:  # set to None outside: the view must not keep stale values
                 unset.append(i)
             elif i in self._unset_by_us:  # we set it to None; autograd made a new one
@@ -178,6 +182,12 @@ class GradBucket:
             else:  # not a view any more: zero_grad(set_to_none=True), assigned, or its
                 # memory replaced (``grad.data = t``, ``grad.set_(t)``: still a view object)
                 detached.append(i)
+        if dropped and writes > accumulations and _distributed():  # written, no accumulation:
+            held += self._written_views_of(dropped)  # DDP's reduced grad of a locally unused
+            dropped = [i for i in dropped if i not in received]  # parameter, as torch steps
+        for i in dropped:  # no gradient this iteration: as torch, grad None
+            self.params[i].grad = None
+            self._unset_by_us.add(i)
         if unset or dropped:  # (a dropped view was a grad until now: it may have been written)
             self._zeroed.difference_update(dropped)
             self._zero_views_of(unset + dropped)
@@ -215,6 +225,23 @@ class GradBucket:
         self._zeroed.clear()
         self.buffer.fill_(-0.0)  # (-0.0 + g == g exactly, see __init__)
         self.checked()
+
+    def _written_views_of(self, indices: list[int]) -> list[int]:
+        """The parameters among ``indices`` (none received a gradient from autograd) whose
+        views hold a value other than zero: DDP with ``find_unused_parameters=True`` writes
+        the reduced gradient of a parameter unused on this rank but used on another into its
+        grad, which torch's optimizer then steps. Recorded as received. One host read; runs
+        only with a process group and when the buffer was written more often than autograd
+        accumulated. (Without a process group a value written into such a view is no grad:
+        torch's grad is None there, so code writing into every ``p.grad`` skips it.)"""
+        if self.buffer.is_cuda and torch.cuda.is_current_stream_capturing():
+            return []  # no host read inside a CUDA graph capture
+        with torch.no_grad():
+            flags = torch.stack([(self.view(i) != 0).any() for i in indices]).tolist()
+        written = [i for i, flag in zip(indices, flags) if flag]
+        for i in written:
+            self.received[i] = self.params[i]
+        return written
 
     def buffer_rewritten(self) -> None:
         """A write pass over the whole buffer that may not keep zeros zero ran (0 * a NaN
