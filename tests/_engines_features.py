@@ -130,6 +130,7 @@ def _ddp_unused_branches(kind, backend, rank):
         buckets.zero_() if buckets else opt.zero_grad()
         loss = model(torch.randn(2, 4, generator=gen), use).sum()
         scaler.scale(loss * (math.inf if rank == 1 and step == 3 else 1.0)).backward()
+        scaler.unscale_(opt)  # (and the step: two checks of the buckets per iteration)
         scaler.step(opt)
         scaler.update()
         records.append((scaler.get_scale(), [p.grad is None for p in model.parameters()],

@@ -24,7 +24,8 @@ OPTIMIZERS = {
     "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
 }
 #: torch's error where ours raises a clearer one (test_random_sequences.DELIBERATE); torch's
-#: scaler state after it is not comparable, so the sequence ends there
+#: scaler state after it is not comparable: the calls go on (the ranks' collectives stay in
+#: step, also where one rank alone met it) without comparing
 DELIBERATE = (("AttributeError", "'int' object has no attribute 'device'"),
               ("AssertionError", "No inf checks were recorded for this optimizer."))
 
@@ -215,15 +216,15 @@ def run_seed(seed: int, rank: int, backend: str, engine: str) -> str | None:
     rng = random.Random(seed * 7 + 1)
     # ours' fused clip is bit-identical to torch's on the reference path (README)
     fused_clip = backend == "reference" and rng.random() < 0.5
-    first, kind = None, "zero_grad"
+    first, kind, comparable = None, "zero_grad", True
     for number in range(rng.randint(5, 40)):
         kind, args = _draw(rng, kind, sides[0]["dims"], len(sides[0]["params"]), rank, engine,
                            bool(sides[0]["buckets"]))
         ours, theirs = (_outcome(side, kind, args, fused_clip) for side in sides)
-        if (theirs[1], ours[1]) == DELIBERATE:
-            break
+        comparable = comparable and (theirs[1], ours[1]) != DELIBERATE
         try:
-            _compare(ours, theirs, sides)
+            if comparable:
+                _compare(ours, theirs, sides)
         except AssertionError as error:
             first = first or f"seed {seed}, call {number} ({kind}): {error!r}"[:600]
     return first

@@ -5,12 +5,14 @@ raised, every parameter and the optimizer state. (Found by tests/test_random_seq
 """
 
 import math
+import warnings
 
 import pytest
 import torch
 from _bucket_loops import bucketed as _bucketed
 from _bucket_loops import outcome as _outcome
 from _bucket_loops import run_both as _run_both
+from _util import assert_all_same
 
 from triton_scaler import GradBuckets, GradScaler
 
@@ -200,3 +202,34 @@ def test_a_new_param_list_at_a_freed_lists_address_is_seen(backend):
         return [step, scaler.get_scale()]
 
     assert _run_both(backend, build, loop) == ["ok", 4.0]  # the new grad's inf was seen
+
+
+@pytest.mark.parametrize("route", ["unscale_", "clip"])
+def test_a_grad_assigned_without_autograd_is_a_gradient_at_the_step(backend, route):
+    """A grad made outside autograd (assigned, as DDP writes the reduced gradient of a
+    parameter this rank did not use) after ``zero_grad()`` is copied back into its view at the
+    first check; it is still this iteration's gradient at the step's check, also when it is
+    all zero (torch steps it: AdamW's weight decay moves the parameter)."""
+    results = []
+    for ours in (False, True):
+        params = [torch.nn.Parameter(torch.full((3,), 2.0)) for _ in range(2)]
+        opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.5)
+        if ours:
+            GradBuckets(opt)
+        scaler = (GradScaler("cpu", backend=backend) if ours else torch.amp.GradScaler("cpu"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (ours: the grads left their views, once)
+            for _ in range(2):
+                opt.zero_grad()
+                scaler.scale(params[0].sum()).backward()
+                params[1].grad = torch.zeros(3)  # no autograd accumulation
+                if route == "unscale_":
+                    scaler.unscale_(opt)
+                else:
+                    scaler.clip_grad_norm_(opt, 1.0) if ours else (
+                        scaler.unscale_(opt), torch.nn.utils.clip_grad_norm_(params, 1.0))
+                scaler.step(opt)
+                scaler.update()
+        results.append([p.detach().clone() for p in params])
+    assert_all_same(results[1], results[0])
+    assert results[0][1][0].item() != 2.0  # torch stepped it

@@ -191,6 +191,8 @@ class GradBucket:
         if unset or dropped:  # (a dropped view was a grad until now: it may have been written)
             self._zeroed.difference_update(dropped)
             self._zero_views_of(unset + dropped)
+        for i in quiet + detached:  # a new grad (autograd's, DDP's reduced one, assigned) is a
+            received[i] = self.params[i]  # gradient of this iteration, hooks or not
         outside: set[int] = set()
         if quiet:  # grads we set to None and autograd re-created: back in, no warning
             self._unset_by_us.difference_update(quiet)
