@@ -123,11 +123,16 @@ class GradBucket:
         self._left = operator.length_hint(self._countdown)
         self._version = self.buffer._version
 
+    def _writes_and_accumulations(self) -> tuple[int, int]:
+        """O(1): the buffer's writes and autograd's accumulations since :meth:`checked`."""
+        return (self.buffer._version - self._version,
+                self._left - operator.length_hint(self._countdown))
+
     def accumulated_in_views(self) -> bool:
         """O(1): every accumulation since :meth:`checked` can have gone into a view (each
         bumps the buffer's version; other writes only add). False when one made a new grad."""
-        accumulations = self._left - operator.length_hint(self._countdown)
-        return self.buffer._version - self._version >= accumulations
+        writes, accumulations = self._writes_and_accumulations()
+        return writes >= accumulations
 
     def all_views_in_place(self) -> bool:
         """O(1): every parameter's grad is still a live view of the buffer, by the storage's
@@ -156,8 +161,7 @@ class GradBucket:
         per-tensor path (``"warn"``); both warn once.
         """
         received = self.received
-        writes = self.buffer._version - self._version
-        accumulations = self._left - operator.length_hint(self._countdown)
+        writes, accumulations = self._writes_and_accumulations()
         fast = not self.not_views and len(received) == len(self.params) and \
             writes >= accumulations and self.all_views_in_place()
         self.checked()
