@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 from _peers import ApexLossScaler, MegatronDynamicGradScaler, MindSporeDynamicLossScaler
+from test_compat_apex import _iteration
 
 from triton_scaler import GradScaler
 from triton_scaler.compat.apex import Amp
@@ -37,10 +38,7 @@ def test_apex_amp_follows_apex_over_random_settings(backend, seed):
     opt = torch.optim.SGD([p], lr=0.1)
     for step, overflow in enumerate(_flags(rng)):
         before = p.detach().clone()
-        with amp.scale_loss(p.sum() * (math.inf if overflow else 1.0), opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
+        _iteration(amp, [p], [opt], overflow)
         peer.update_scale(overflow)
         assert torch.equal(p.detach(), before) == overflow, step
         assert amp.state_dict()["loss_scaler0"] == {"loss_scale": peer._loss_scale,
