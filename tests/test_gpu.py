@@ -249,6 +249,27 @@ def test_grads_on_a_device_that_is_not_current(cuda):
     assert_all_same(ours[1], theirs[1])
 
 
+def test_the_step_waits_for_the_found_inf_copy_of_a_device_that_is_not_current(cuda):
+    """step()'s one read waits for the found_inf copy on the grads' device's stream, not on
+    the current device's: there a busy stream (a sleep before the unscale) would let the host
+    read the pinned buffer before the copy lands, and step on infinite grads."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    other = torch.device("cuda", 1)
+    with torch.cuda.device(0):
+        param = torch.nn.Parameter(torch.ones(1000, device=other))
+        opt = torch.optim.SGD([param], lr=1.0)
+        scaler = GradScaler("cuda", backend="triton")
+        for _ in range(3):
+            scaler.scale((param * math.inf).sum()).backward()
+            with torch.cuda.device(other):
+                torch.cuda._sleep(100_000_000)  # the unscale and the copy queue behind it
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert torch.equal(param.detach(), torch.ones(1000, device=other))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 @pytest.mark.parametrize("sizes", [[1_000_003], [7, 1, 4097, 300, 65536]])

@@ -59,3 +59,32 @@ def test_the_counter_can_fail():
         with c.paused():
             torch.ones(()).tolist()
     assert c.count == 2
+
+
+def test_the_early_host_copy_completes_on_the_stream_of_the_copied_tensor(monkeypatch):
+    """step()'s one read (and SkipAwareScheduler's) waits on an event recorded where torch runs
+    a device-to-host copy: the current stream of the *source's* device, which is not the
+    current device's when the grads and the scale live on ``cuda:1`` while ``cuda:0`` is
+    current. No GPU here: the stream and event are stand-ins that record what they get."""
+    from triton_scaler import _host_copy
+
+    class Event:
+        recorded_on = []
+
+        def record(self, stream=None):
+            self.recorded_on.append(stream)
+
+    streams = []
+
+    def current_stream(device=None):
+        streams.append(device)
+        return f"stream of {device}"
+
+    empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    src = torch.tensor([65536.0, 1.0])
+    host, event = _host_copy.copy_to_host_async(src)
+    assert Event.recorded_on == [f"stream of {src.device}"] and streams == [src.device]
+    assert torch.equal(host, src) and host.data_ptr() != src.data_ptr()

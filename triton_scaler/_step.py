@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from ._host_copy import copy_to_host_async
+
 
 class StepMixin:
     """``step``'s helpers: the scaler's state lives in :class:`ScalerStateMixin`."""
@@ -38,11 +40,7 @@ class StepMixin:
             # overlaps Python work; the scale rides along for the underflow warning. Not
             # under CUDA-graph capture: a replay would write into a freed pinned buffer.
             span, index = self._host_read_span(state, agreed)
-            host = torch.empty(span.numel(), dtype=torch.float32, pin_memory=True)
-            host.copy_(span, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            state["found_inf_host"] = (host, event, index)
+            state["found_inf_host"] = (*copy_to_host_async(span), index)
         return agreed
 
     def _host_read_span(self, state: dict[str, Any],

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ._host_copy import copy_to_host_async
+
 
 class SkipAwareScheduler:
     """Wraps a ``torch.optim.lr_scheduler`` scheduler so that it steps once per *applied*
@@ -34,11 +36,7 @@ class SkipAwareScheduler:
         applied step. Never synchronises with the device."""
         flag = self.scaler.last_step_skipped
         if flag.is_cuda:
-            host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending.append((host, event))
+            self._pending.append(copy_to_host_async(flag))
         else:
             self._pending.append((flag.clone(), None))
         self._resolve(wait=False)
