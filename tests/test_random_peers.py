@@ -7,11 +7,17 @@ import random
 
 import pytest
 import torch
-from _peers import ApexLossScaler, MegatronDynamicGradScaler, MindSporeDynamicLossScaler
+from _peers import (
+    ApexLossScaler,
+    DeepSpeedDynamicLossScaler,
+    MegatronDynamicGradScaler,
+    MindSporeDynamicLossScaler,
+)
 from test_compat_apex import _iteration
 
 from triton_scaler import GradScaler
 from triton_scaler.compat.apex import Amp
+from triton_scaler.compat.deepspeed import DynamicLossScaler as DeepSpeedScaler
 from triton_scaler.compat.mindspore import DynamicLossScaler
 
 SEEDS = range(12)
@@ -83,3 +89,31 @@ def test_hysteresis_follows_megatron_over_random_settings(backend, seed):
         assert scaler._get_growth_tracker() == peer._growth_tracker, step
         if hysteresis > 1:  # (with 1, torch's rule: ours keeps no count, Megatron's goes < 0)
             assert scaler.state_dict()["_hysteresis_tracker"] == peer._hysteresis_tracker, step
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_deepspeed_scaler_follows_deepspeed_over_random_settings(backend, seed):
+    """DeepSpeed's Python-float scale against ours in fp32: every scale here is an exact
+    float32 (the factor is 2) and at most 2**120 (DeepSpeed's float grows past fp32's maximum,
+    ours does not: README), where both must agree bit for bit; the raise at the minimum
+    included."""
+    rng = random.Random(seed)
+    min_scale = rng.choice([1.0, 0.25, 3.0, 2.0**10, 0.0])
+    init = max(rng.choice([2.0**16, 2.0**32, 1.0, 3.0 * 2**5, 2.0**40]), min_scale or 1.0)
+    window, shift = rng.randint(1, 6), rng.randint(1, 4)
+    consecutive, raises = rng.random() < 0.5, rng.random() < 0.5
+    args = (init, window, min_scale, shift, consecutive, raises)
+    ours = DeepSpeedScaler(*args, device="cpu", backend=backend)
+    peer = DeepSpeedDynamicLossScaler(init, 2.0, window, min_scale, shift, consecutive, raises)
+    for step, overflow in enumerate(_flags(rng)):
+        flag = torch.tensor(overflow) if rng.random() < 0.5 else overflow
+        try:
+            peer.update_scale(overflow)
+        except Exception as error:
+            assert "already at minimum" in str(error)
+            with pytest.raises(Exception, match="already at minimum"):
+                ours.update_scale(flag)
+            break
+        ours.update_scale(flag)
+        assert ours.loss_scale == peer.cur_scale, step
+        assert ours.cur_hysteresis == peer.cur_hysteresis, step
