@@ -226,50 +226,6 @@ def test_cuda_graph_capture_and_replay(cuda, buckets, unscale_first):
     assert all(bool((j == -1).all()) for j in junk)  # the replays wrote nothing there
 
 
-def test_grads_on_a_device_that_is_not_current(cuda):
-    """Launches go to the grads' device (Triton launches on the current one otherwise)."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two CUDA devices")
-    other = torch.device("cuda", 1)
-    with torch.cuda.device(0):
-        grads = _grads([1000, 7, 4097], torch.float32, other)
-        grads[1][-1] = math.inf
-        expected = [g.clone() for g in grads]
-        found_t = torch.zeros((), device=other)
-        found = torch.zeros((), device=other)
-        inv = torch.tensor(0.25, device=other)
-        torch._amp_foreach_non_finite_check_and_unscale_(expected, found_t, inv)
-        ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")
-        assert_all_same(grads, expected)
-        assert_same(found, found_t)
-        kwargs = dict(init_scale=2.0**16, growth_interval=5)
-        theirs = _cuda_train(torch.amp.GradScaler("cuda", **kwargs), other, fused=False)
-        ours = _cuda_train(GradScaler("cuda", **kwargs, backend="triton"), other, fused=False)
-    assert ours[0] == theirs[0]
-    assert_all_same(ours[1], theirs[1])
-
-
-def test_the_step_waits_for_the_found_inf_copy_of_a_device_that_is_not_current(cuda):
-    """step()'s one read waits for the found_inf copy on the grads' device's stream, not on
-    the current device's: there a busy stream (a sleep before the unscale) would let the host
-    read the pinned buffer before the copy lands, and step on infinite grads."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two CUDA devices")
-    other = torch.device("cuda", 1)
-    with torch.cuda.device(0):
-        param = torch.nn.Parameter(torch.ones(1000, device=other))
-        opt = torch.optim.SGD([param], lr=1.0)
-        scaler = GradScaler("cuda", backend="triton")
-        for _ in range(3):
-            scaler.scale((param * math.inf).sum()).backward()
-            with torch.cuda.device(other):
-                torch.cuda._sleep(100_000_000)  # the unscale and the copy queue behind it
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-    assert torch.equal(param.detach(), torch.ones(1000, device=other))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 @pytest.mark.parametrize("sizes", [[1_000_003], [7, 1, 4097, 300, 65536]])
@@ -300,47 +256,3 @@ def test_clip_grad_norm_cuda(cuda, dtype, norm_type, sizes):
         g.copy_((g.to(torch.float64 if dtype == torch.float64 else torch.float32) * coef)
                 .to(dtype))
     assert_all_same([p.grad for p in params], unscaled)
-
-
-def _free_gib(cuda) -> float:
-    free, _ = torch.cuda.mem_get_info(cuda)
-    return free / 2**30
-
-
-def test_a_tensor_of_more_than_2_31_elements(cuda):
-    """Offsets past 2^31 elements (int64 program ids, a 64-bit n_elements): the last element
-    of a 2^31 + 37 element bucket is checked and unscaled."""
-    if _free_gib(cuda) < 20:
-        pytest.skip("needs 20 GiB of free GPU memory")
-    n = 2**31 + 37
-    g = torch.ones(n, device=cuda)
-    g[-1] = math.inf
-    g[-2] = 3.0
-    found = torch.zeros((), device=cuda)
-    ops.non_finite_check_and_unscale_([g], found, torch.tensor(0.5, device=cuda),
-                                      backend="triton")
-    assert found.item() == 1.0
-    assert g[-2].item() == 1.5 and g[0].item() == 0.5 and g[2**31].item() == 0.5
-    assert math.isinf(g[-1].item())
-    del g
-    torch.cuda.empty_cache()
-
-
-def test_table_rows_more_than_2_31_elements_from_the_first_grad(cuda):
-    """Chunk-table starts are int64 offsets from the first grad: a grad allocated more than
-    2^31 elements after it (a 9 GiB tensor in between) is covered."""
-    if _free_gib(cuda) < 12:
-        pytest.skip("needs 12 GiB of free GPU memory")
-    first = torch.full((1000,), 2.0, device=cuda)
-    spacer = torch.empty(9 * 2**30, dtype=torch.uint8, device=cuda)
-    far = torch.full((4099,), 2.0, device=cuda)
-    far[-1] = math.nan
-    if abs(far.data_ptr() - first.data_ptr()) // 4 < 2**31:
-        pytest.skip("the allocator placed the grads closer than 2^31 elements")
-    found = torch.zeros((), device=cuda)
-    ops.non_finite_check_and_unscale_([first, far], found, torch.tensor(0.25, device=cuda),
-                                      backend="triton")
-    assert found.item() == 1.0
-    assert bool((first == 0.5).all()) and bool((far[:-1] == 0.5).all())
-    del spacer
-    torch.cuda.empty_cache()
