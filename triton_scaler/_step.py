@@ -43,6 +43,13 @@ class StepMixin:
             state["found_inf_host"] = (*copy_to_host_async(span), index)
         return agreed
 
+    def _step_reads_found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``step`` will read found_inf on the host: not for fused optimizers (they
+        skip on the device), nor when overflows never skip. Only then does ``unscale_`` start
+        the early host copy (a pinned buffer, a copy and an event per step)."""
+        return self._policy.skip_on_overflow and not getattr(
+            optimizer, "_step_supports_amp_scaling", False)
+
     def _host_read_span(self, state: dict[str, Any],
                         agreed: torch.Tensor) -> tuple[torch.Tensor, int]:
         """A device tensor holding the scale at 0 and ``agreed`` at the returned index: a
