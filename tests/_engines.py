@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from _spawn import attempt, init_group
 
-ENGINES = ("fsdp2", "fsdp2_fused", "fsdp2_mixed_precision", "ddp", "ddp_bucket_view", "fsdp1",
-           "fsdp1_orig_params")
+ENGINES = ("fsdp2", "fsdp2_fused", "fsdp2_mixed_precision", "ddp", "ddp_bucket_view", "ddp_zero",
+           "fsdp1", "fsdp1_orig_params")
 #: FSDP2 on a 2-D mesh of 4 ranks: HSDP (replicate x shard) and tensor parallel x FSDP2
 MESH_ENGINES = ("fsdp2_hsdp", "fsdp2_tp")
 INJECTIONS = ("loss", "grad")  # inf in rank 1's loss (spread by the engine) / in its own grad
@@ -64,6 +64,10 @@ def _wrap(engine, model):
     groups = [params[:1], params[1:]] if engine == "fsdp1_orig_params" else [params]
     if engine == "fsdp1_fp16":  # AdamW's eps underflows in float16
         return wrapped, [torch.optim.SGD(params, lr=1e-2, momentum=0.9)]
+    if engine == "ddp_zero":  # ZeRO-1: each rank steps its part of the parameters
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return wrapped, [ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=1e-2)]
     return wrapped, [torch.optim.AdamW(g, lr=1e-2, fused=engine == "fsdp2_fused")
                      for g in groups]
 

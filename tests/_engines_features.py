@@ -11,7 +11,7 @@ import torch.distributed as dist
 from _engines import STEPS, _model, _scaler, _wrap, train
 from _spawn import attempt, init_group
 
-FEATURE_ENGINES = ("fsdp2", "fsdp2_fused", "ddp", "fsdp1")
+FEATURE_ENGINES = ("fsdp2", "fsdp2_fused", "ddp", "ddp_zero", "fsdp1")
 
 #: name -> (our extension settings, step after which the scaler is checkpointed, or None)
 FEATURES = {
@@ -55,7 +55,8 @@ def feature_runs(results, engine, backend, rank):
 
 def run_buckets(rank, world_size, store_file, backend, out_dir):
     """GradBuckets against the engines: refused for FSDP2's DTensor parameters and for DDP's
-    own bucket views (with advice), exact with DDP(gradient_as_bucket_view=False)."""
+    own bucket views (with advice), exact with DDP(gradient_as_bucket_view=False), also with
+    ZeRO-1 (ZeroRedundancyOptimizer)."""
     from triton_scaler import GradBuckets, GradScaler
 
     init_group(rank, world_size, store_file)
@@ -75,27 +76,36 @@ def run_buckets(rank, world_size, store_file, backend, out_dir):
         except RuntimeError as error:
             results["ddp_bucket_view"] = str(error)
         dist.barrier()
-        finals = []
-        for kind in ("torch", "ours"):
-            ddp, (opt,) = _wrap("ddp", _model())
-            buckets = GradBuckets(opt) if kind == "ours" else None
-            scaler = _scaler("ddp", kind, backend)
-            gen = torch.Generator().manual_seed(rank + 1)
-            for step in range(STEPS):
-                loss = ddp(torch.randn(4, 8, generator=gen)).square().mean()
-                scaler.scale(loss * (math.inf if rank == 1 and step == 3 else 1.0)).backward()
-                scaler.step(opt)
-                scaler.update()
-                buckets.zero_() if buckets else opt.zero_grad()
-            finals.append(([p.detach().clone() for p in ddp.parameters()], scaler.get_scale()))
-        results["ddp_buckets_equal"] = finals[0][1] == finals[1][1] and all(
-            torch.equal(a, b) for a, b in zip(finals[0][0], finals[1][0]))
+        for engine in ("ddp", "ddp_zero"):
+            results[f"{engine}_buckets_equal"] = _buckets_match_torch(engine, backend, rank)
         results["ddp_unused"] = [_ddp_unused_branches(kind, backend, rank)
                                  for kind in ("torch", "ours")]
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _buckets_match_torch(engine, backend, rank):
+    """Ours with GradBuckets against torch's scaler under DDP (``ddp_zero``: with ZeRO-1),
+    rank 1 overflowing at step 3: equal final parameters and scale."""
+    from triton_scaler import GradBuckets
+
+    finals = []
+    for kind in ("torch", "ours"):
+        ddp, (opt,) = _wrap(engine, _model())
+        buckets = GradBuckets(opt) if kind == "ours" else None
+        scaler = _scaler(engine, kind, backend)
+        gen = torch.Generator().manual_seed(rank + 1)
+        for step in range(STEPS):
+            loss = ddp(torch.randn(4, 8, generator=gen)).square().mean()
+            scaler.scale(loss * (math.inf if rank == 1 and step == 3 else 1.0)).backward()
+            scaler.step(opt)
+            scaler.update()
+            buckets.zero_() if buckets else opt.zero_grad()
+        finals.append(([p.detach().clone() for p in ddp.parameters()], scaler.get_scale()))
+    return finals[0][1] == finals[1][1] and all(
+        torch.equal(a, b) for a, b in zip(finals[0][0], finals[1][0]))
 
 
 class _Branches(torch.nn.Module):

@@ -1,8 +1,8 @@
 """torch's distributed engines (FSDP2 with DTensor grads, also with fp16 MixedPrecisionPolicy;
-DDP with and without gradient_as_bucket_view; FSDP1 with and without use_orig_params) × both
-backends, 2 gloo ranks on this machine (met through a file store); FSDP2 on a 2-D mesh (HSDP,
-tensor parallel x FSDP2) with 4 ranks. Rank 1 (on the 2-D meshes: see
-``_engines.overflowing_ranks``) overflows at some steps, either in its loss (the engine's
+DDP with and without gradient_as_bucket_view, and with ZeroRedundancyOptimizer; FSDP1 with
+and without use_orig_params) × both backends, 2 gloo ranks on this machine (met through a file
+store); FSDP2 on a 2-D mesh (HSDP, tensor parallel x FSDP2) with 4 ranks. Rank 1 (on the 2-D
+meshes: see ``_engines.overflowing_ranks``) overflows at some steps, either in its loss (the engine's
 reduction spreads it) or in its own grad shard after backward (only agreement saves the step).
 Scale trajectory, skipped steps and final full parameters must equal the same run with torch's
 scaler (``torch.amp.GradScaler`` for FSDP2, which agrees through DTensor dispatch;
@@ -67,7 +67,7 @@ def test_grad_buckets_with_the_engines(backend, tmp_path):
         assert "DTensor, not a plain tensor" in results["fsdp2"]
         assert "use GradScaler without GradBuckets" in results["fsdp2"]
         assert "gradient_as_bucket_view=True" in results["ddp_bucket_view"]
-        assert results["ddp_buckets_equal"]
+        assert results["ddp_buckets_equal"] and results["ddp_zero_buckets_equal"]
         theirs, ours = results["ddp_unused"]  # DDP(find_unused_parameters=True)
         for step, ((scale, nones, params), (scale_, nones_, params_)) in enumerate(zip(theirs,
                                                                                         ours)):
