@@ -20,10 +20,10 @@ from _engines import (
 )
 from _spawn import attempt, init_group
 
-CLIP_ENGINES = ("fsdp2", "fsdp2_mixed_precision", "ddp", "fsdp1", "fsdp1_orig_params")
+CLIP_ENGINES = ("fsdp2", "fsdp2_mixed_precision", "ddp", "ddp_zero", "fsdp1", "fsdp1_orig_params")
 #: how each engine's plain grads relate across ranks (None: DTensor grads say it themselves)
 SHARDED = {"fsdp2": None, "fsdp2_mixed_precision": None, "fsdp2_hsdp": None, "fsdp2_tp": None,
-           "ddp": False, "fsdp1": True, "fsdp1_orig_params": True}
+           "ddp": False, "ddp_zero": False, "fsdp1": True, "fsdp1_orig_params": True}
 MAX_NORM = 0.05  # below the grads' norm: every step clips
 
 
@@ -36,8 +36,10 @@ def _torch_clip(engine, wrapped, scaler, opt, norm_type):
 
 
 def train_clipped(engine, kind, backend, norm_type, rank):
-    wrapped, _ = _wrap(engine, _model())
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)  # one optimizer over every param
+    wrapped, optimizers = _wrap(engine, _model())
+    # one optimizer over every param (ZeRO's: it holds them all, each rank steps its part)
+    opt = optimizers[0] if engine == "ddp_zero" else torch.optim.AdamW(wrapped.parameters(),
+                                                                       lr=1e-2)
     scaler = _scaler(engine, kind, backend)
     gen = torch.Generator().manual_seed(data_rank(engine, rank) + 1)
     norms, scales = [], []
