@@ -19,6 +19,13 @@ Off (``DIRECT = False``) until a GPU run has measured it against ``kernel[grid]`
 the interpreter ``kernel[grid]`` returns no compiled kernel and every launch goes through it;
 on ROCm too (its specialisation also depends on each tensor's storage size, which the key
 leaves out).
+
+Every launch goes to the CUDA device of its first tensor: Triton launches on the *current*
+device and its current stream, not on the device of the pointers it is given, so grads on
+``cuda:1`` while ``cuda:0`` is current would be read through the wrong device's context.
+:func:`launch` makes that device current for the launch when it is not (no CUDA call for the
+interpreter's CPU tensors); the stream is then that device's current stream, the one torch's
+own ops would use.
 """
 
 from __future__ import annotations
@@ -40,10 +47,14 @@ _compiled: dict[object, OrderedDict] = {}
 
 def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
            options: dict) -> None:
-    """``kernel[(grid,)](*tensors, *scalars, **constexprs, **options)``: the kernel's
-    parameters are its tensors, then its other runtime values, then its constexprs (passed by
-    name, in the kernel's order). ``options`` (``num_warps``, ...) must be the same at every
-    call for one kernel. Asynchronous, as ``kernel[grid]``."""
+    """``kernel[(grid,)](*tensors, *scalars, **constexprs, **options)`` on the device of
+    ``tensors[0]``: the kernel's parameters are its tensors, then its other runtime values,
+    then its constexprs (passed by name, in the kernel's order). ``options`` (``num_warps``,
+    ...) must be the same at every call for one kernel. Asynchronous, as ``kernel[grid]``."""
+    device = tensors[0].device
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):  # now current: the launch below runs there
+            return launch(kernel, grid, tensors, scalars, constexprs, options)
     if not DIRECT:
         kernel[(grid,)](*tensors, *scalars, **constexprs, **options)
         return

@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from .bits import bf16_bits_to_fp32, fp32_to_bf16_bits
-from .device import launch_device
 from .launcher import launch
 from .plan import UnscalePlan, _captured, build_plan
 
@@ -164,14 +163,7 @@ def is_interpreting() -> bool:
 
 
 def _block() -> int:
-    return INTERPRETER_BLOCK if is_interpreting() else GPU_BLOCK
-
-
-def _as_kernel_view(t: torch.Tensor) -> torch.Tensor:
-    """bf16 is passed as its int16 bits under the interpreter (its bf16 casts are inexact)."""
-    if t.dtype == torch.bfloat16 and is_interpreting():
-        return t.view(torch.int16)
-    return t
+    return INTERPRETER_BLOCK if _INTERPRETED else GPU_BLOCK
 
 
 def plan_unscale(grads: list[torch.Tensor], numels: tuple[int, ...] | None = None,
@@ -216,16 +208,19 @@ def launch_unscale(
     partials = found_inf.new_empty(plan.grid, dtype=_partial_dtype(fp64)) if norm else found_inf
     if plan.table is not None and base.is_cuda and torch.cuda.is_current_stream_capturing():
         _captured[id(plan.table)] = plan.table
-    with launch_device(base):
-        launch(unscale_kernel, plan.grid, (
-            _as_kernel_view(base), found_inf if plan.table is None else plan.table,
-            inv_scale, found_inf, found_inf if clip_coef is None else clip_coef, partials,
-        ), (plan.n,), dict(
-            BLOCK=_block(), USE_TABLE=plan.table is not None, WRITE=write,
-            BF16_BITS=base.dtype == torch.bfloat16 and is_interpreting(),
-            VEC=16 // base.element_size(), FP64=fp64, ROUND=write or norm != 0, NORM=norm,
-            CLIP=clip_coef is not None, INV_FROM_SCALE=inv_from_scale,
-        ), _INTERPRETER_OPTIONS if is_interpreting() else _GPU_OPTIONS)
+    interpreting = _INTERPRETED
+    # bf16 goes to the interpreter as its int16 bits (the interpreter's bf16 casts are inexact)
+    bf16_bits = interpreting and base.dtype == torch.bfloat16
+    launch(unscale_kernel, plan.grid, (
+        base.view(torch.int16) if bf16_bits else base,
+        found_inf if plan.table is None else plan.table,
+        inv_scale, found_inf, found_inf if clip_coef is None else clip_coef, partials,
+    ), (plan.n,), dict(
+        BLOCK=INTERPRETER_BLOCK if interpreting else GPU_BLOCK, USE_TABLE=plan.table is not None,
+        WRITE=write, BF16_BITS=bf16_bits, VEC=16 // base.element_size(), FP64=fp64,
+        ROUND=write or norm != 0, NORM=norm, CLIP=clip_coef is not None,
+        INV_FROM_SCALE=inv_from_scale,
+    ), _INTERPRETER_OPTIONS if interpreting else _GPU_OPTIONS)
     if write:
         for g, c in plan.copies:
             g.copy_(c)

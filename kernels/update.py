@@ -14,7 +14,6 @@ import triton.language as tl
 
 from triton_scaler.policy import PARAMS_LAYOUT  # the buffer's layout, owned by ScalePolicy
 
-from .device import launch_device
 from .launcher import launch
 
 __all__ = ["PARAMS_LAYOUT", "launch_update_scale", "update_scale_kernel"]
@@ -122,14 +121,13 @@ def launch_update_scale(
         raise ValueError(f"found_inf must hold a power-of-two count of contiguous flags; "
                          f"got {n_found}")
     record = skipped is not None
-    with launch_device(scale):
-        launch(update_scale_kernel, 1, (
-            scale, growth_tracker, found_inf,
-            hysteresis_tracker if has_hysteresis else growth_tracker, params,
-            skipped.view(torch.uint8) if record else found_inf,
-            skipped_count if record else growth_tracker,
-        ), (), dict(
-            N_FOUND=n_found, HAS_HYSTERESIS=has_hysteresis,
-            CONSECUTIVE_HYSTERESIS=consecutive_hysteresis, DYNAMIC=dynamic, RECORD_SKIP=record,
-            RESET_FOUND=reset_found,
-        ), _OPTIONS)
+    launch(update_scale_kernel, 1, (
+        scale, growth_tracker, found_inf,
+        hysteresis_tracker if has_hysteresis else growth_tracker, params,
+        skipped.view(torch.uint8) if record else found_inf,
+        skipped_count if record else growth_tracker,
+    ), (), dict(
+        N_FOUND=n_found, HAS_HYSTERESIS=has_hysteresis,
+        CONSECUTIVE_HYSTERESIS=consecutive_hysteresis, DYNAMIC=dynamic, RECORD_SKIP=record,
+        RESET_FOUND=reset_found,
+    ), _OPTIONS)

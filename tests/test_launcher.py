@@ -141,3 +141,43 @@ def test_every_launch_site_names_its_constexprs_in_order(monkeypatch, triton_dev
                         skipped_count=zeros(dtype=torch.int64), reset_found=True)
     assert {name for name, *_ in seen} == {"unscale_kernel", "update_scale_kernel"}
     assert len(seen) >= 5
+
+
+class _OnDevice:
+    """Stands in for a CUDA tensor (no GPU here): only its device is read before launching."""
+
+    def __init__(self, index):
+        self.device = torch.device("cuda", index)
+
+
+@pytest.mark.parametrize("direct_launch", [False, True])
+def test_a_launch_goes_to_the_device_of_its_first_tensor(monkeypatch, direct_launch):
+    """Triton launches on the current device: grads on cuda:1 while cuda:0 is current must
+    make cuda:1 current for the launch (and leave cuda:0 current after), and a launch on the
+    current device must not switch."""
+    current, switches = [0], []
+
+    class _Switch:
+        def __init__(self, device):
+            self.index = device.index
+
+        def __enter__(self):
+            switches.append(self.index)
+            self.prev, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", _Switch)
+    monkeypatch.setattr(launcher, "DIRECT", direct_launch)
+    seen = []
+
+    class _Recording(_Kernel):
+        def __getitem__(self, grid):
+            seen.append(current[0])
+            return lambda *args, **kwargs: None  # no compiled kernel: nothing reused
+
+    for index in (1, 0, 1):
+        _launch(_Recording(), _OnDevice(index))
+    assert seen == [1, 0, 1] and switches == [1, 1] and current == [0]

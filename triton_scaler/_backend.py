@@ -38,19 +38,20 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["reference", 
     ``"auto"`` picks ``"triton"`` for CUDA tensors when triton is importable, else
     ``"reference"``. ``"triton"`` on non-CUDA tensors works only under the interpreter.
     """
-    if backend == "reference" or (device.type == "cuda" and triton_available()
-                                  and backend in ("auto", "triton")):
-        return "reference" if backend == "reference" else "triton"  # the common cases, fast
-    check_backend(backend)
+    if backend == "reference":
+        return "reference"
+    if backend != "auto" and backend != "triton":
+        check_backend(backend)  # raises, naming the accepted values
+    if device.type == "cuda" and triton_available():
+        return "triton"  # the common case: two comparisons and a cached lookup
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "reference"
-    if backend == "triton":
-        if not triton_available():
-            raise RuntimeError("backend='triton' needs the 'triton' package; install it or use "
-                               "backend='reference'")
-        if device.type != "cuda" and not triton_interpreting():
-            raise RuntimeError(
-                f"backend='triton' runs on CUDA tensors; got tensors on {device}. On CPU use "
-                "backend='reference' (or 'auto'), or set TRITON_INTERPRET=1 before importing "
-                "triton to run the kernels through Triton's interpreter")
-    return backend  # type: ignore[return-value]
+        return "reference"
+    if not triton_available():
+        raise RuntimeError("backend='triton' needs the 'triton' package; install it or use "
+                           "backend='reference'")
+    if device.type != "cuda" and not triton_interpreting():
+        raise RuntimeError(
+            f"backend='triton' runs on CUDA tensors; got tensors on {device}. On CPU use "
+            "backend='reference' (or 'auto'), or set TRITON_INTERPRET=1 before importing "
+            "triton to run the kernels through Triton's interpreter")
+    return "triton"

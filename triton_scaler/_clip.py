@@ -53,7 +53,7 @@ def _group_partial(group, found_inf, scale, norm_type: float, backend: str) -> t
     max ``|x|``, of the unscaled grads); on the reference backend (a group on another device
     than the Triton groups) the same from an in-place unscale and torch's norms."""
     if resolve_backend(backend, found_inf.device) == "triton":
-        from triton_scaler.kernels import launch_unscale
+        from triton_scaler.kernels.unscale import launch_unscale
 
         return launch_unscale(group.launch_target(), found_inf, scale, write=False,
                               norm=2 if norm_type == 2.0 else -1, inv_from_scale=True)
@@ -69,7 +69,7 @@ def _apply_coef(group, found_inf, scale, coef, write_pass: bool) -> None:
     """``dtype(dtype(g * inv_scale) * coef)``: the Triton write pass (``write_pass``), else a
     multiplication of grads already unscaled."""
     if write_pass:
-        from triton_scaler.kernels import launch_unscale
+        from triton_scaler.kernels.unscale import launch_unscale
 
         launch_unscale(group.launch_target(), found_inf, scale, write=True, clip_coef=coef,
                        inv_from_scale=True)

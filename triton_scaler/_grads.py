@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from triton_scaler.kernels.plan import UnscalePlan
 
 _GRAD = operator.attrgetter("grad")
+_PARAMS = operator.itemgetter("params")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE_INDEX = torch.Tensor.get_device
 _DATA_PTR = torch.Tensor.data_ptr
@@ -95,6 +96,7 @@ class _Layout:
         # (device, dtype, picks the group's items out of a list over ``outside``)
         self.plain_groups = [(device, dtype, _picker(indices, len(self.outside)))
                              for (device, dtype), indices in by_key.items()]
+        self.has_fp16 = any(dtype == torch.float16 for _, dtype in by_key)
         # the grads' addresses -> (the scaler's backend, each plain group's launch plan
         # without its grads), for the last address layouts where every group had a reusable
         # Triton plan; ``last`` is the newest (key, value), compared without hashing. No grad
@@ -111,7 +113,7 @@ class _Layout:
 
 
 def _live_params(optimizer: torch.optim.Optimizer):
-    return itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)
+    return itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups))
 
 
 def _picker(indices: list[int], total: int):
@@ -153,7 +155,7 @@ def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str
             if bucket.dtype == fp16 and not allow_fp16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
             flat.append(group)
-    if any(held is not ids for held, ids in helds):  # some grads are outside their bucket
+    if helds and any(held is not ids for held, ids in helds):  # grads outside their bucket
         covered = frozenset().union(*(held for held, _ in helds))
         outside = [p for p in _live_params(optimizer) if id(p) not in covered]
         groups, mesh_groups = _groups_slow(outside, allow_fp16, backend)
@@ -161,7 +163,7 @@ def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str
     if not layout.outside:
         return flat, {}
     groups = None
-    if allow_fp16 or not any(dtype == fp16 for _, dtype, *_ in layout.plain_groups):
+    if allow_fp16 or not layout.has_fp16:
         groups = _groups_fast(layout, backend)
     if groups is None:  # also: fp16 grads may be there, which must raise as torch's
         groups, mesh_groups = _groups_slow(layout.outside, allow_fp16, backend)
@@ -186,7 +188,9 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
         addresses = tuple(map(_DATA_PTR, grads))
     except (TypeError, RuntimeError):  # a None grad (no data_ptr), a sparse one
         return None
-    entry = _known_plans(layout, addresses)
+    last = layout.last
+    entry = last[1] if last is not None and last[0] == addresses else \
+        _known_plans(layout, addresses)
     if entry is not None and entry[0] == backend:
         groups = []
         for (device, dtype, pick), template in zip(layout.plain_groups, entry[1]):

@@ -23,10 +23,12 @@ class StepMixin:
         if agreed is not None:
             return agreed
         device = self._scale.device
-        values = [t if t.device == device else t.to(device, non_blocking=True)
-                  for t in state["found_inf_per_device"].values()]
+        values = list(state["found_inf_per_device"].values())
         if not values:
             raise AssertionError("No inf checks were recorded for this optimizer.")
+        if len(values) > 1 or values[0].device != device:
+            values = [t if t.device == device else t.to(device, non_blocking=True)
+                      for t in values]
         # One device: the per-device flag itself (a MAX all-reduce in place leaves it 0 / 1).
         agreed = values[0] if len(values) == 1 else torch.stack(values).amax()
         if self._process_group is not None:

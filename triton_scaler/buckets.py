@@ -140,8 +140,10 @@ def same_param_lists(known: tuple | None, param_groups: list[dict]) -> bool:
     same lengths: O(number of groups)."""
     if known is None or len(known[0]) != len(param_groups):
         return False
-    return all(g["params"] is lst and len(lst) == n
-               for g, lst, n in zip(param_groups, known[0], known[1]))
+    for group, params, n in zip(param_groups, known[0], known[1]):
+        if group["params"] is not params or len(params) != n:
+            return False
+    return True
 
 
 def buckets_of(optimizer: torch.optim.Optimizer) -> list[GradBucket]:

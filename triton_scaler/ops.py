@@ -80,9 +80,11 @@ def unscale_group_(grads: list[torch.Tensor], found_inf: torch.Tensor,
     caller (GradScaler, which groups grads as torch does) guarantees them. ``from_scale``:
     ``inv_scale`` is the scale itself, whose reciprocal is formed as torch forms it. ``group``:
     the grads' :class:`GradGroup`, whose ``plan`` (when set) is the launch's host work, built
-    by the caller, which guarantees it matches the grads."""
-    if resolve_backend(backend, found_inf.device) == "triton":
-        from triton_scaler.kernels import launch_unscale
+    by the caller, which guarantees it matches the grads (a group with a plan is on the
+    Triton backend)."""
+    if (group is not None and group.plan is not None) or \
+            resolve_backend(backend, found_inf.device) == "triton":
+        from triton_scaler.kernels.unscale import launch_unscale
 
         if group is not None:
             grads = group.launch_target()
@@ -105,7 +107,7 @@ def scaler_update_(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: tor
     and ``skipped_count`` (0-d int64) when ``policy.skip_on_overflow``, the scale is updated
     when ``policy.dynamic``, and ``flags`` is zeroed. One launch on Triton; no host sync."""
     if resolve_backend(backend, scale.device) == "triton":
-        from triton_scaler.kernels import launch_update_scale
+        from triton_scaler.kernels.update import launch_update_scale
 
         launch_update_scale(
             scale, growth_tracker, flags,
@@ -257,7 +259,7 @@ def update_with_policy_(scale: torch.Tensor, growth_tracker: torch.Tensor,
             raise ValueError(f"scale is on {scale.device} but a state tensor is on {t.device}; "
                              "all must share one device")
     if resolve_backend(backend, scale.device) == "triton":
-        from triton_scaler.kernels import launch_update_scale
+        from triton_scaler.kernels.update import launch_update_scale
 
         if params is None:
             params = policy.kernel_params(scale.device)
