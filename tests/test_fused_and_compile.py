@@ -6,7 +6,7 @@ import pytest
 import torch
 from _loops import make_model
 
-from triton_scaler import GradScaler
+from triton_scaler import GradBuckets, GradScaler
 from triton_scaler.diagnostics import count_host_syncs, optimizer_step_uncounted
 from triton_scaler.schedulers import SkipAwareScheduler
 
@@ -107,6 +107,55 @@ def test_torch_compile_inductor_matches_torch_scaler():
     torch._dynamo.reset()
     theirs = _compiled_run(lambda: torch.amp.GradScaler("cpu", **kwargs), "inductor", steps=4)
     assert ours[0] == theirs[0]
+    for a, b in zip(ours[1], theirs[1]):
+        assert torch.equal(a, b)
+
+
+def _bucketed_compiled_run(scaler, buckets, compile_backend, compiled_autograd=False):
+    """A compiled model (its backward too), optionally compiled autograd, trained with
+    GradBuckets (``buckets.zero_()``) or without (``zero_grad()``); an overflow at step 2.
+    Every step checks that the grads are still views into the bucket (no copy back)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    held = GradBuckets(opt) if buckets else None
+    forward = torch.compile(model, backend=compile_backend)
+    gen = torch.Generator().manual_seed(2)
+    scales = []
+    for i in range(5):
+        loss = forward(torch.randn(5, 8, generator=gen)).square().mean()
+        loss = loss * (math.inf if i == 2 else 1.0)
+        if compiled_autograd:
+            from torch._dynamo.compiled_autograd import _enable
+
+            with _enable(torch.compile(backend="aot_eager")):
+                scaler.scale(loss).backward()
+        else:
+            scaler.scale(loss).backward()
+        if held is not None:
+            buffer = held.buckets[0].buffer.untyped_storage().data_ptr()
+            assert all(p.grad.untyped_storage().data_ptr() == buffer for p in model.parameters())
+        scaler.step(opt)
+        scaler.update()
+        held.zero_() if held is not None else opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.filterwarnings("error:.*GradBucket")  # a grad copied back would warn
+@pytest.mark.parametrize("compile_backend, compiled_autograd",
+                         [("aot_eager", False), ("aot_eager", True), ("inductor", False)])
+def test_grad_buckets_under_a_compiled_model(compile_backend, compiled_autograd):
+    """The compiled backward (and compiled autograd) accumulate into the bucket views as eager
+    autograd does: the scale trajectory and parameters equal torch's scaler without buckets
+    over the same compiled model."""
+    kwargs = dict(init_scale=2.0**10, growth_interval=2)
+    torch._dynamo.reset()
+    theirs = _bucketed_compiled_run(torch.amp.GradScaler("cpu", **kwargs), False, compile_backend)
+    torch._dynamo.reset()
+    ours = _bucketed_compiled_run(GradScaler("cpu", **kwargs), True, compile_backend,
+                                  compiled_autograd)
+    assert ours[0] == theirs[0] == [2.0**10, 2.0**11, 2.0**10, 2.0**10, 2.0**11]
     for a, b in zip(ours[1], theirs[1]):
         assert torch.equal(a, b)
 
