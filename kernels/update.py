@@ -112,19 +112,22 @@ def launch_update_scale(
 
     ``found_inf`` is a 0-d fp32 flag, or a 1-D fp32 tensor of flags (one per optimizer, a
     power-of-two count) of which any non-zero one is an overflow. The scaler's whole
-    ``update()`` in this one launch: ``skipped`` (0-d bool) and ``skipped_count`` (0-d int64)
-    record the overflow, ``reset_found`` zeroes the flags for the next iteration and
-    ``dynamic=False`` leaves the scale as it is. Asynchronous: no host synchronisation."""
+    ``update()`` in this one launch: ``skipped`` (0-d bool, or its ``uint8`` view) and
+    ``skipped_count`` (0-d int64) record the overflow, ``reset_found`` zeroes the flags for
+    the next iteration and ``dynamic=False`` leaves the scale as it is. Asynchronous: no host
+    synchronisation."""
     has_hysteresis = hysteresis_tracker is not None
     n_found = found_inf.numel()
     if n_found & (n_found - 1) or not found_inf.is_contiguous():
         raise ValueError(f"found_inf must hold a power-of-two count of contiguous flags; "
                          f"got {n_found}")
     record = skipped is not None
+    if record and skipped.dtype != torch.uint8:
+        skipped = skipped.view(torch.uint8)  # the kernel writes the flag's byte
     launch(update_scale_kernel, 1, (
         scale, growth_tracker, found_inf,
         hysteresis_tracker if has_hysteresis else growth_tracker, params,
-        skipped.view(torch.uint8) if record else found_inf,
+        skipped if record else found_inf,
         skipped_count if record else growth_tracker,
     ), (), dict(
         N_FOUND=n_found, HAS_HYSTERESIS=has_hysteresis,

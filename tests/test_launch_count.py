@@ -20,16 +20,19 @@ _IN_KERNEL = [0]  # the interpreter's own tensor work inside a launch is not cou
 
 
 class _Ops(TorchDispatchMode):
-    """Counts device ops (not views, not host reads) issued outside the kernels."""
+    """Counts device ops (not views, not host reads) issued outside the kernels, and
+    separately the views (host work only, but each is a dispatcher call)."""
 
     def __init__(self):
         super().__init__()
-        self.ops = Counter()
+        self.ops, self.views = Counter(), Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not _IN_KERNEL[0] and not func.is_view and func.__name__ not in (
-                "_local_scalar_dense.default", "empty.memory_format"):
-            self.ops[func.__name__] += 1
+        if not _IN_KERNEL[0]:
+            if func.is_view:
+                self.views[func.__name__] += 1
+            elif func.__name__ not in ("_local_scalar_dense.default", "empty.memory_format"):
+                self.ops[func.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -95,15 +98,22 @@ def test_one_launch_per_group_and_one_for_update(monkeypatch, buckets, fused):
                 if not fused:
                     scaler.unscale_(opt)
                 scaler.step(opt)
-                n_unscale, other_ops = counts["unscale"], Counter(mode.ops)
+                n_unscale, other_ops, views = counts["unscale"], Counter(mode.ops), \
+                    Counter(mode.views)
                 counts.clear()
                 mode.ops.clear()
+                mode.views.clear()
                 scaler.update()
             assert n_unscale == 2, (step, counts)  # one per (device, dtype) group / bucket
             assert counts["update"] == 1 and counts["unscale"] == 0, counts
-            assert not mode.ops, mode.ops  # update(): nothing but its one launch
+            assert not mode.ops and not mode.views, mode.ops  # update(): its one launch only
             if step > 0:  # step 0 builds the chunk table (host tensors, one upload on a GPU)
                 assert not other_ops, other_ops  # unscale_ / the check and step: launches only
+                # and no view either (step's host read uses views made once), except the
+                # interpreter's int16 view of the bf16 grads (none on a GPU), which dispatch
+                # modes see with a detach
+                assert views["view.dtype"] == 1 and \
+                    set(views) <= {"view.dtype", "detach.default"}, views
             opt.zero_grad(set_to_none=False)
 
 

@@ -53,10 +53,12 @@ class ScalerStateMixin:
         self._hysteresis_tracker_state: torch.Tensor | None = None
         self._skipped_steps_t: torch.Tensor | None = None
         self._last_step_skipped: torch.Tensor | None = None
+        self._last_step_skipped_bytes: torch.Tensor | None = None
         self._params_t: torch.Tensor | None = None
         self._scale_and_flags: torch.Tensor | None = None
         self._flags: torch.Tensor | None = None  # the buffer's found_inf part, a view
         self._found_slots: list[torch.Tensor] = []
+        self._host_spans: list[torch.Tensor] = []  # [scale, flags...][:i + 1] for each i
         self._slots_taken = 0
         self._warned_underflow = False
 
@@ -70,12 +72,16 @@ class ScalerStateMixin:
         self._scale_and_flags = buffer
         self._flags = buffer[1:]
         self._found_slots = list(self._flags.unbind())
+        # step()'s host read of (scale, a flag): views made once, not a slice per step
+        self._host_spans = [buffer[:i + 1] for i in range(1 + FOUND_INF_SLOTS)]
         self._slots_taken = 0
         self._hysteresis_tracker_state = torch.full((), self._init_hysteresis_tracker,
                                                     dtype=torch.int32, device=dev)
         self._skipped_steps_t = torch.full((), self._init_skipped_steps, dtype=torch.int64,
                                            device=dev)
         self._last_step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
+        # what update()'s kernel writes: the flag's byte, viewed once (not a view per step)
+        self._last_step_skipped_bytes = self._last_step_skipped.view(torch.uint8)
         self._params_t = self._policy.kernel_params(dev).clone()
 
     def _set_policy(self, policy: ScalePolicy) -> None:
@@ -247,9 +253,10 @@ class ScalerStateMixin:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_init_skipped_steps"] = self.skipped_steps
             for key in ("_hysteresis_tracker_state", "_skipped_steps_t", "_last_step_skipped",
-                        "_params_t", "_scale_and_flags", "_flags"):
+                        "_last_step_skipped_bytes", "_params_t", "_scale_and_flags", "_flags"):
                 state[key] = None
             state["_found_slots"] = []
+            state["_host_spans"] = []
             state["_slots_taken"] = 0
         state["_process_group"] = None  # process groups do not pickle; set it again after load
         return state

@@ -59,7 +59,7 @@ class StepMixin:
         else a stack of the two."""
         index = self._buffer_index(state, agreed)
         if index:
-            return self._scale_and_flags[:index + 1], index
+            return self._host_spans[index], index
         return torch.stack([self._scale.to(agreed.device), agreed]), 1
 
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],

@@ -270,7 +270,8 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         # One launch: combine the flags, record the skip, update the scale, zero the flags.
         ops.scaler_update_(scale, growth_tracker, self._flags, policy,
                            hysteresis_tracker=self._hysteresis_tracker_t,
-                           skipped=self._last_step_skipped, skipped_count=self._skipped_steps_t,
+                           skipped=self._last_step_skipped_bytes,
+                           skipped_count=self._skipped_steps_t,
                            backend=self._backend, params=self._params_t)
         self._reset_iteration()
         if at_min_scale:  # raised after the update is complete: the scaler stays usable

@@ -103,9 +103,10 @@ def scaler_update_(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: tor
                    skipped: torch.Tensor, skipped_count: torch.Tensor, backend: str,
                    params: torch.Tensor | None) -> None:
     """The whole of :meth:`GradScaler.update` on the device: an overflow is any non-zero
-    entry of ``flags`` (1-D fp32, one per optimizer); it is recorded in ``skipped`` (0-d bool)
-    and ``skipped_count`` (0-d int64) when ``policy.skip_on_overflow``, the scale is updated
-    when ``policy.dynamic``, and ``flags`` is zeroed. One launch on Triton; no host sync."""
+    entry of ``flags`` (1-D fp32, one per optimizer); it is recorded in ``skipped`` (0-d bool,
+    or its ``uint8`` view, made once by the scaler) and ``skipped_count`` (0-d int64) when
+    ``policy.skip_on_overflow``, the scale is updated when ``policy.dynamic``, and ``flags``
+    is zeroed. One launch on Triton; no host sync."""
     if resolve_backend(backend, scale.device) == "triton":
         from triton_scaler.kernels.update import launch_update_scale
 
