@@ -12,6 +12,27 @@ from torch.amp.grad_scaler import OptState
 
 from ._host_copy import copy_to_host_async
 
+#: On the optimizer: (its step function, whether that takes ``grad_scaler``).
+_STEP_SIGNATURE_ATTR = "_triton_scaler_step_takes_grad_scaler"
+
+
+def _step_takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` has a ``grad_scaler`` parameter (torch's deprecated fused
+    contract). torch asks ``inspect.signature`` at every fused step (~7 us); the answer is
+    remembered on the optimizer for its current step function (a replaced ``step`` is asked
+    again). Kept on the optimizer itself, not in a weak map, so that a ``step`` closure
+    holding the optimizer cannot keep it alive."""
+    step = optimizer.step
+    func = getattr(step, "__func__", step)
+    attrs = getattr(optimizer, "__dict__", None)  # None: an optimizer-like object with slots
+    known = attrs.get(_STEP_SIGNATURE_ATTR) if attrs is not None else None
+    if known is not None and known[0] is func:
+        return known[1]
+    takes = "grad_scaler" in inspect.signature(step).parameters
+    if attrs is not None:
+        attrs[_STEP_SIGNATURE_ATTR] = (func, takes)
+    return takes
+
 
 class StepMixin:
     """``step``'s helpers: the scaler's state lives in :class:`ScalerStateMixin`."""
@@ -80,7 +101,7 @@ class StepMixin:
         return None
 
     def _fused_step(self, optimizer, state, *args, **kwargs):
-        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+        if _step_takes_grad_scaler(optimizer):
             warnings.warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "
                 "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
