@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
+from ._eager import eager_under_compile
 from .policy import FP32_TINY, INT32_MAX, INT32_MIN, ScalePolicy, as_int, check_scale_value
 
 EXTENSION_KEYS = ("hysteresis", "_hysteresis_tracker", "consecutive_hysteresis", "min_scale",
@@ -62,6 +63,7 @@ class ScalerStateMixin:
         self._slots_taken = 0
         self._warned_underflow = False
 
+    @eager_under_compile  # its device tensors and views made eagerly, never traced
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)  # type: ignore[misc]
         # One buffer: [scale, found_inf flag per optimizer ...]. update() reads and zeroes the

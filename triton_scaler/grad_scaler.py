@@ -4,7 +4,6 @@ Megatron-core, DeepSpeed, apex and MindSpore scalers."""
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -17,28 +16,12 @@ from ._arguments import check_device, check_outputs, check_process_group
 from ._backend import Backend, check_backend
 from ._clip import ClipMixin
 from ._distributed import agree_over_meshes
+from ._eager import eager_under_compile
 from ._grads import PerDevice, grad_groups
 from ._state import ScalerStateMixin
 from ._step import StepMixin
 from .buckets import attach_bucket_grads
 from .policy import ScalePolicy, check_scale_value
-
-
-def _eager_under_compile(method):
-    """Run ``method`` eagerly when code compiled by ``torch.compile`` calls it, as dynamo does
-    for ``torch.amp.GradScaler`` itself (it skips torch.amp): a graph break per call, and the
-    scaler's host-side bookkeeping never traced. No cost (and no dynamo import) in eager:
-    ``is_dynamo_compiling`` is a plain ``return False`` that dynamo replaces with True when
-    it traces (``is_compiling`` also asks ``torch.jit.is_scripting``: one more call)."""
-
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        if torch.compiler.is_dynamo_compiling():
-            from torch._dynamo import disable
-
-            return disable(method, recursive=True)(*args, **kwargs)
-        return method(*args, **kwargs)
-    return wrapper
 
 
 class MinScaleReachedError(RuntimeError):
@@ -163,7 +146,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
             per_device_found_inf.get(found_inf.device)  # no grads here: join the agreement, 0
         return per_device_found_inf._per_device_tensors
 
-    @_eager_under_compile
+    @eager_under_compile
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the optimizer's grads in place and record whether any is non-finite.
         One fused launch per bucket / (device, dtype) group. No host sync. Disabled: only
@@ -210,7 +193,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         state.pop("found_inf_agreed", None)
         return state["found_inf_per_device"]
 
-    @_eager_under_compile
+    @eager_under_compile
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
         """Unscale (unless :meth:`unscale_` ran) and call ``optimizer.step()`` unless a grad is
         non-finite. Plain optimizers: one host sync. Fused optimizers
@@ -237,7 +220,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         state["stage"] = OptState.STEPPED
         return retval
 
-    @_eager_under_compile
+    @eager_under_compile
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from this iteration's overflow flags, on the device: torch's rule
         plus hysteresis, min / max scale and static scaling. Also records

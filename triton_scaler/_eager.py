@@ -1,0 +1,24 @@
+"""Scaler methods run eagerly when code compiled by ``torch.compile`` calls them."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def eager_under_compile(method):
+    """Run ``method`` eagerly when code compiled by ``torch.compile`` calls it, as dynamo does
+    for ``torch.amp.GradScaler`` itself (it skips torch.amp): a graph break per call, and the
+    scaler's host-side bookkeeping never traced. No cost (and no dynamo import) in eager:
+    ``is_dynamo_compiling`` is a plain ``return False`` that dynamo replaces with True when
+    it traces (``is_compiling`` also asks ``torch.jit.is_scripting``: one more call)."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_dynamo_compiling():
+            from torch._dynamo import disable
+
+            return disable(method, recursive=True)(*args, **kwargs)
+        return method(*args, **kwargs)
+    return wrapper
