@@ -188,9 +188,9 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
         addresses = tuple(map(_DATA_PTR, grads))
     except (TypeError, RuntimeError):  # a None grad (no data_ptr), a sparse one
         return None
-    last = layout.last
+    last = layout.last  # the last step's layout: one tuple comparison, no hash
     entry = last[1] if last is not None and last[0] == addresses else \
-        _known_plans(layout, addresses)
+        _earlier_plans(layout, addresses)
     if entry is not None and entry[0] == backend:
         groups = []
         for (device, dtype, pick), template in zip(layout.plain_groups, entry[1]):
@@ -204,12 +204,9 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
     return _groups_planned(layout, backend, grads, addresses)
 
 
-def _known_plans(layout: _Layout, addresses: tuple[int, ...]) -> tuple | None:
-    """The stored plans of grads at ``addresses``: the last step's through one comparison,
-    else one of the last ``_PLAN_CACHE_SIZE`` layouts' through a hash of the addresses."""
-    last = layout.last
-    if last is not None and last[0] == addresses:
-        return last[1]
+def _earlier_plans(layout: _Layout, addresses: tuple[int, ...]) -> tuple | None:
+    """The stored plans of grads at ``addresses`` when they are not the last step's: one of
+    the last ``_PLAN_CACHE_SIZE`` layouts' through a hash of the addresses (then the last)."""
     entry = layout.plans.get(addresses)
     if entry is not None:
         layout.plans.move_to_end(addresses)

@@ -56,7 +56,6 @@ class ScalerStateMixin:
         self._last_step_skipped: torch.Tensor | None = None
         self._last_step_skipped_bytes: torch.Tensor | None = None
         self._params_t: torch.Tensor | None = None
-        self._scale_and_flags: torch.Tensor | None = None
         self._flags: torch.Tensor | None = None  # the buffer's found_inf part, a view
         self._found_slots: list[torch.Tensor] = []
         self._host_spans: list[torch.Tensor] = []  # [scale, flags...][:i + 1] for each i
@@ -71,7 +70,6 @@ class ScalerStateMixin:
         buffer = torch.zeros(1 + FOUND_INF_SLOTS, dtype=torch.float32, device=dev)
         buffer[:1].copy_(self._scale)
         self._scale = buffer[0]
-        self._scale_and_flags = buffer
         self._flags = buffer[1:]
         self._found_slots = list(self._flags.unbind())
         # step()'s host read of (scale, a flag): views made once, not a slice per step
@@ -255,7 +253,7 @@ class ScalerStateMixin:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_init_skipped_steps"] = self.skipped_steps
             for key in ("_hysteresis_tracker_state", "_skipped_steps_t", "_last_step_skipped",
-                        "_last_step_skipped_bytes", "_params_t", "_scale_and_flags", "_flags"):
+                        "_last_step_skipped_bytes", "_params_t", "_flags"):
                 state[key] = None
             state["_found_slots"] = []
             state["_host_spans"] = []
