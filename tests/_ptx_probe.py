@@ -1,21 +1,26 @@
 """Compile every kernel variant for an H100 (sm_90) without a GPU and print facts about the
-generated PTX as JSON. Run in a subprocess by test_ptx.py: it needs TRITON_INTERPRET unset."""
+generated PTX and, where Triton ships ``cuobjdump``, about the SASS ptxas made of it, as JSON.
+Run in a subprocess by test_ptx.py: it needs TRITON_INTERPRET unset."""
 
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
 
 import triton  # noqa: E402
+import triton.backends.nvidia  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton_scaler.kernels.unscale import GPU_BLOCK, GPU_NUM_WARPS, unscale_kernel  # noqa: E402
 from triton_scaler.kernels.update import update_scale_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
 
 
 def _instructions(ptx):
@@ -36,7 +41,23 @@ def _compile(fn, signature, constexprs, attrs, num_warps):
         pid_line = re.search(r"(%\S+) = tt.get_program_id", kernel.asm["ttir"]).group(1)
         widened = re.search(rf"arith.extsi {re.escape(pid_line)} : i32 to i64", kernel.asm["ttir"])
         ops.append("TTIR:program_id_widened_to_i64" if widened else "TTIR:program_id_i32")
-    return ops
+    return ops + _sass_facts(kernel.asm["cubin"])
+
+
+def _sass_facts(cubin: bytes) -> list[str]:
+    """``SASS:<op>`` for each global / local memory access opcode of the machine code, and
+    ``REG:<n>`` / ``LOCAL:<bytes>`` from its resource usage (none without cuobjdump)."""
+    if not os.path.exists(CUOBJDUMP):
+        return []
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        dump = subprocess.run([CUOBJDUMP, "-res-usage", "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    memory_ops = set(re.findall(r"\b((?:LDG|STG|LDL|STL)(?:\.[A-Z0-9]+)*)\b", dump))
+    usage = re.search(r"REG:(\d+) .*LOCAL:(\d+)", dump)
+    return [f"SASS:{op}" for op in sorted(memory_ops)] + [f"REG:{usage[1]}",
+                                                           f"LOCAL:{usage[2]}"]
 
 
 def _unscale_signature(dtype):

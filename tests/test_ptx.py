@@ -1,4 +1,5 @@
-"""Every kernel compiled for an H100 (sm_90) without a GPU, with assertions on the PTX."""
+"""Every kernel compiled for an H100 (sm_90) without a GPU, with assertions on the PTX and on
+the machine code ptxas makes of it (SASS, read with the cuobjdump Triton ships)."""
 
 import json
 import os
@@ -126,3 +127,28 @@ def test_bucket_from_odd_sized_parameters_launches_the_aligned_vector_kernel(ptx
     assert bucket.buffer.data_ptr() % 16 == 0 and bucket.buffer.numel() % 16 == 0
     ops = ptx_facts[f"unscale/{dtype}/flat/write"]  # grad_ptr and n_elements divisible by 16
     assert "ld.global.v4.b32" in ops and "st.global.v4.b32" in ops, ops
+
+
+def _sass(ptx_facts):
+    """The variants' facts, once it is known that they include the SASS ones."""
+    if not any(op.startswith("SASS:") for ops in ptx_facts.values() for op in ops):
+        pytest.skip("this triton ships no cuobjdump: no facts about the machine code")
+    return ptx_facts
+
+
+def test_ptxas_keeps_every_16_byte_access(ptx_facts):
+    """What the PTX does in 16-byte vectors (v4.b32, v2.b64), the machine code does in 128-bit
+    LDG / STG: ptxas splits none of them."""
+    for key, ops in _sass(ptx_facts).items():
+        for ptx, sass in (("ld.global", "LDG"), ("st.global", "STG")):
+            if f"{ptx}.v4.b32" in ops or f"{ptx}.v2.b64" in ops:
+                assert f"SASS:{sass}.E.128" in ops, (key, ops)
+
+
+def test_no_variant_spills_to_local_memory(ptx_facts):
+    """No register spills (LDL / STL in the machine code: what ``maxnreg=24`` makes of the
+    table kernel) and no local arrays, with triton 3.6's ptxas and 3.9's."""
+    for key, ops in _sass(ptx_facts).items():
+        assert "LOCAL:0" in ops, (key, ops)
+        assert not [op for op in ops if op.startswith(("SASS:LDL", "SASS:STL"))], (key, ops)
+
