@@ -50,3 +50,58 @@ def test_default_arguments_match_torch(backend):
     theirs = torch.amp.GradScaler("cpu")
     assert ours.state_dict().items() >= theirs.state_dict().items()
     assert isinstance(ours, torch.amp.GradScaler)
+
+
+def _create_graph_step(scaler, grad_mode, buckets, fused):
+    """One step whose backward ran with ``create_graph=True`` (the grads require grad), with
+    ``unscale_`` / ``step`` called under ``grad_mode``: (grads after unscale_, grad mode seen
+    after each call, parameters after step, the scale after update)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+    if buckets:
+        triton_scaler.GradBuckets(opt)
+    scaler.scale(model(torch.randn(7, 5)).pow(2).sum()).backward(create_graph=True)
+    assert all(p.grad.requires_grad for p in model.parameters())
+    grad_fns = [p.grad.grad_fn for p in model.parameters()]
+    modes = []
+    with torch.set_grad_enabled(grad_mode):
+        if not fused:
+            scaler.unscale_(opt)
+            modes.append(torch.is_grad_enabled())
+            if not buckets:  # nothing recorded in the grads' graph
+                assert [p.grad.grad_fn for p in model.parameters()] == grad_fns
+        grads = [p.grad.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        modes.append(torch.is_grad_enabled())
+    scaler.update()
+    return grads, modes, [p.detach().clone() for p in model.parameters()], scaler.get_scale()
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.filterwarnings("ignore:.* no longer views into their GradBucket")  # a new grad
+@pytest.mark.parametrize("grad_mode", [True, False])
+@pytest.mark.parametrize("route", ["plain", "plain-buckets", "fused"])
+def test_grads_that_require_grad_are_unscaled_as_torchs(backend, grad_mode, route):
+    """A backward with ``create_graph=True`` leaves grads that require grad: unscaled (or
+    checked, fused) with grad mode off as torch's, and the caller's grad mode is as it was."""
+    buckets, fused = route == "plain-buckets", route == "fused"
+    expected = _create_graph_step(torch.amp.GradScaler("cpu", init_scale=4.0), grad_mode,
+                                  False, fused)
+    actual = _create_graph_step(triton_scaler.GradScaler("cpu", init_scale=4.0,
+                                                         backend=backend),
+                                grad_mode, buckets, fused)
+    assert actual[1] == expected[1] == [grad_mode] * len(expected[1])
+    assert_all_same(actual[0], expected[0])
+    assert_all_same(actual[2], expected[2])
+    assert actual[3] == expected[3]
+
+
+def test_grad_mode_is_restored_when_unscale_raises(backend):
+    param = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler = triton_scaler.GradScaler("cpu", backend=backend)
+    scaler.scale(param.float().sum()).backward()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        scaler.unscale_(opt)
+    assert torch.is_grad_enabled()
