@@ -84,7 +84,8 @@ def _create_graph_step(scaler, grad_mode, buckets, fused):
 @pytest.mark.parametrize("route", ["plain", "plain-buckets", "fused"])
 def test_grads_that_require_grad_are_unscaled_as_torchs(backend, grad_mode, route):
     """A backward with ``create_graph=True`` leaves grads that require grad: unscaled (or
-    checked, fused) with grad mode off as torch's, and the caller's grad mode is as it was."""
+    checked, fused) as torch's scaler does, with nothing recorded in their graph, and the
+    caller's grad mode is as it was after each call."""
     buckets, fused = route == "plain-buckets", route == "fused"
     expected = _create_graph_step(torch.amp.GradScaler("cpu", init_scale=4.0), grad_mode,
                                   False, fused)

@@ -151,4 +151,3 @@ def test_no_variant_spills_to_local_memory(ptx_facts):
     for key, ops in _sass(ptx_facts).items():
         assert "LOCAL:0" in ops, (key, ops)
         assert not [op for op in ops if op.startswith(("SASS:LDL", "SASS:STL"))], (key, ops)
-
