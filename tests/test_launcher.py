@@ -68,6 +68,22 @@ def test_a_repeated_launch_calls_the_compiled_launcher(direct):
                for run in kernel.runs)
 
 
+
+def test_the_launcher_is_called_as_tritons_own_run_calls_it():
+    """The call above is, argument for argument, how the installed triton's
+    ``JITFunction.run`` calls the compiled launcher (read from its source; CI has 3.9, the GPU
+    machine 3.6, and the suite passes on both): a triton that changes it fails here, not on
+    a GPU."""
+    import inspect
+
+    from triton.runtime.jit import JITFunction
+
+    source = " ".join(inspect.getsource(JITFunction.run).split())
+    assert "launch_metadata = kernel.launch_metadata(grid, stream, *bound_args.values())" in source
+    assert ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, "
+            "launch_metadata, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, "
+            "*bound_args.values())") in source
+
 @pytest.mark.parametrize("change", ["address", "dtype", "int", "constexpr", "device"])
 def test_any_other_launch_goes_through_triton(direct, monkeypatch, change):
     kernel, x = _Kernel(), torch.zeros(8)
