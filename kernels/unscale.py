@@ -145,7 +145,7 @@ def unscale_kernel(
         aligned = tl.multiple_of(start, VEC)
         saw, partial = _block_pass(grad_ptr + aligned + idx, idx < BLOCK, inv, coef, False,
                                    WRITE, BF16_BITS, FP64, ROUND, NORM, CLIP)
-    else:  # masked, the bound compared in 32 bits (in 64: 80 registers, not 40, on sm_90)
+    else:  # masked; the bound compared in 32 bits: 40 registers, not 80 (sm_90, triton 3.6)
         in_chunk = idx < tl.minimum(length, BLOCK).to(tl.int32)
         saw, partial = _block_pass(grad_ptr + start + idx, in_chunk, inv, coef, True,
                                    WRITE, BF16_BITS, FP64, ROUND, NORM, CLIP)

@@ -68,7 +68,6 @@ def test_a_repeated_launch_calls_the_compiled_launcher(direct):
                for run in kernel.runs)
 
 
-
 def test_the_launcher_is_called_as_tritons_own_run_calls_it():
     """The call above is, argument for argument, how the installed triton's
     ``JITFunction.run`` calls the compiled launcher (read from its source; CI has 3.9, the GPU
@@ -83,6 +82,7 @@ def test_the_launcher_is_called_as_tritons_own_run_calls_it():
     assert ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, "
             "launch_metadata, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, "
             "*bound_args.values())") in source
+
 
 @pytest.mark.parametrize("change", ["address", "dtype", "int", "constexpr", "device"])
 def test_any_other_launch_goes_through_triton(direct, monkeypatch, change):

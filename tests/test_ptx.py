@@ -155,8 +155,9 @@ def test_no_variant_spills_to_local_memory(ptx_facts):
 
 def test_every_variant_fits_four_blocks_per_sm(ptx_facts):
     """At most 64 registers per thread, so 4 blocks of 8 warps fit on an sm_90 SM (65,536
-    registers). The masked path's 64-bit element compares took 80 (3 blocks) with triton 3.6's
-    ptxas, the GPU machine's, in every table write pass and every odd-size flat launch."""
+    registers). The masked path's 64-bit element compares took 80 or more (3 blocks or fewer)
+    with triton 3.6's ptxas, the GPU machine's, in every table write pass and every odd-size
+    flat launch."""
     for key, ops in _sass(ptx_facts).items():
         registers = int(next(op for op in ops if op.startswith("REG:"))[len("REG:"):])
         assert registers <= 64, (key, ops)
