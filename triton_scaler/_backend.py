@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from types import ModuleType
 from typing import Literal
 
 import torch
@@ -24,12 +25,26 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+_kernels = None
+
+
+def triton_kernels() -> ModuleType:
+    """The ``triton_scaler.kernels`` package: imported (with triton) on the first call, then
+    a global read. The hot paths reach the kernels through this rather than an ``import``
+    statement, which costs ~10 us per step with the host's caches cold (a training step's
+    forward and backward leave them so)."""
+    global _kernels
+    if _kernels is None:
+        from triton_scaler import kernels
+
+        _kernels = kernels
+    return _kernels
+
+
 def triton_interpreting() -> bool:
     """Whether Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1`` was set
     before triton_scaler's kernels were first imported)."""
-    from triton_scaler.kernels.unscale import is_interpreting
-
-    return is_interpreting()
+    return triton_kernels().unscale.is_interpreting()
 
 
 def resolve_backend(backend: str, device: torch.device) -> Literal["reference", "triton"]:

@@ -18,7 +18,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import reference
-from ._backend import resolve_backend
+from ._backend import resolve_backend, triton_kernels
 from ._distributed import MeshLayout, agree_over_meshes, norm_layout
 from ._grads import PerDevice, grad_groups
 from ._norms import combine_partials, grad_norm, reference_total_norm
@@ -53,10 +53,9 @@ def _group_partial(group, found_inf, scale, norm_type: float, backend: str) -> t
     max ``|x|``, of the unscaled grads); on the reference backend (a group on another device
     than the Triton groups) the same from an in-place unscale and torch's norms."""
     if resolve_backend(backend, found_inf.device) == "triton":
-        from triton_scaler.kernels.unscale import launch_unscale
-
-        return launch_unscale(group.launch_target(), found_inf, scale, write=False,
-                              norm=2 if norm_type == 2.0 else -1, inv_from_scale=True)
+        return triton_kernels().launch_unscale(group.launch_target(), found_inf, scale,
+                                               write=False, norm=2 if norm_type == 2.0 else -1,
+                                               inv_from_scale=True)
     reference.non_finite_check_and_unscale_(group.grads, found_inf, reference.inv_scale_of(scale))
     norms = [grad_norm(g, norm_type) for g in group.grads if g.numel() or norm_type == 2.0]
     if not norms:
@@ -69,10 +68,8 @@ def _apply_coef(group, found_inf, scale, coef, write_pass: bool) -> None:
     """``dtype(dtype(g * inv_scale) * coef)``: the Triton write pass (``write_pass``), else a
     multiplication of grads already unscaled."""
     if write_pass:
-        from triton_scaler.kernels.unscale import launch_unscale
-
-        launch_unscale(group.launch_target(), found_inf, scale, write=True, clip_coef=coef,
-                       inv_from_scale=True)
+        triton_kernels().launch_unscale(group.launch_target(), found_inf, scale, write=True,
+                                        clip_coef=coef, inv_from_scale=True)
     else:
         torch._foreach_mul_(group.grads, coef)
     if group.padding is not None:  # a bucket: 0 * a NaN coefficient must not stay there

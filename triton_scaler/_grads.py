@@ -21,7 +21,7 @@ import torch
 from torch.amp.grad_scaler import _MultiDeviceReplicator
 
 from . import ops
-from ._backend import resolve_backend
+from ._backend import resolve_backend, triton_kernels
 from ._distributed import local_grad
 from .buckets import buckets_of, param_lists, same_param_lists
 
@@ -66,9 +66,7 @@ class GradGroup:
         """What :func:`triton_scaler.kernels.launch_unscale` takes for this group: the plan,
         built now when not known yet (Triton backend only)."""
         if self.plan is None:
-            from triton_scaler.kernels import plan_unscale
-
-            self.plan = plan_unscale(self.grads, self.numels, self.addresses)
+            self.plan = triton_kernels().plan_unscale(self.grads, self.numels, self.addresses)
         return self.plan
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from . import reference
-from ._backend import Backend, resolve_backend
+from ._backend import Backend, resolve_backend, triton_kernels
 from ._distributed import agree_over_meshes, local_grad
 from .policy import ScalePolicy, cached_policy
 
@@ -84,11 +84,10 @@ def unscale_group_(grads: list[torch.Tensor], found_inf: torch.Tensor,
     Triton backend)."""
     if (group is not None and group.plan is not None) or \
             resolve_backend(backend, found_inf.device) == "triton":
-        from triton_scaler.kernels.unscale import launch_unscale
-
         if group is not None:
             grads = group.launch_target()
-        launch_unscale(grads, found_inf, inv_scale, write=write, inv_from_scale=from_scale)
+        triton_kernels().launch_unscale(grads, found_inf, inv_scale, write=write,
+                                        inv_from_scale=from_scale)
         return
     if from_scale:
         inv_scale = reference.inv_scale_of(inv_scale)
@@ -108,9 +107,7 @@ def scaler_update_(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: tor
     ``policy.skip_on_overflow``, the scale is updated when ``policy.dynamic``, and ``flags``
     is zeroed. One launch on Triton; no host sync."""
     if resolve_backend(backend, scale.device) == "triton":
-        from triton_scaler.kernels.update import launch_update_scale
-
-        launch_update_scale(
+        triton_kernels().launch_update_scale(
             scale, growth_tracker, flags,
             policy.kernel_params(scale.device) if params is None else params,
             hysteresis_tracker, policy.consecutive_hysteresis, dynamic=policy.dynamic,
@@ -260,11 +257,9 @@ def update_with_policy_(scale: torch.Tensor, growth_tracker: torch.Tensor,
             raise ValueError(f"scale is on {scale.device} but a state tensor is on {t.device}; "
                              "all must share one device")
     if resolve_backend(backend, scale.device) == "triton":
-        from triton_scaler.kernels.update import launch_update_scale
-
         if params is None:
             params = policy.kernel_params(scale.device)
-        launch_update_scale(scale, growth_tracker, found_inf, params, hysteresis_tracker,
-                            policy.consecutive_hysteresis)
+        triton_kernels().launch_update_scale(scale, growth_tracker, found_inf, params,
+                                             hysteresis_tracker, policy.consecutive_hysteresis)
     else:
         reference.update_scale_(scale, growth_tracker, found_inf, policy, hysteresis_tracker)
