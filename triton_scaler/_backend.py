@@ -25,13 +25,13 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-_kernels = None
+_kernels: ModuleType | None = None
 
 
 def triton_kernels() -> ModuleType:
     """The ``triton_scaler.kernels`` package: imported (with triton) on the first call, then
     a global read. The hot paths reach the kernels through this rather than an ``import``
-    statement, which costs ~10 us per step with the host's caches cold (a training step's
+    statement, which costs ~10 us a call with the host's caches cold (a training step's
     forward and backward leave them so)."""
     global _kernels
     if _kernels is None:
