@@ -42,14 +42,18 @@ class _Counted:
 
     def __getitem__(self, grid):
         self.counts[self.name] += 1
+        return _uncounted(self.kernel[grid])  # no compiled kernel back: none is reused
 
-        def launch(*args, **kwargs):
-            _IN_KERNEL[0] += 1
-            try:
-                self.kernel[grid](*args, **kwargs)  # no compiled kernel back: none is reused
-            finally:
-                _IN_KERNEL[0] -= 1
-        return launch
+
+def _uncounted(fn):
+    """``fn`` whose own ops (and imports) are not counted: a kernel's, an optimizer's."""
+    def call(*args, **kwargs):
+        _IN_KERNEL[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _IN_KERNEL[0] -= 1
+    return call
 
 
 @contextlib.contextmanager
@@ -79,15 +83,7 @@ def test_one_launch_per_group_and_one_for_update(monkeypatch, buckets, fused):
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
     params, opt = _setup(12, buckets, fused, dtypes=(torch.float32, torch.bfloat16))
     scaler = GradScaler("cpu", backend="triton", init_scale=4.0)
-    own_step = opt.step
-
-    def step_uncounted(*args, **kwargs):  # the optimizer's own ops are not the scaler's
-        _IN_KERNEL[0] += 1
-        try:
-            return own_step(*args, **kwargs)
-        finally:
-            _IN_KERNEL[0] -= 1
-    opt.step = step_uncounted
+    opt.step = _uncounted(opt.step)  # the optimizer's own ops are not the scaler's
     with _launches(monkeypatch) as counts:
         for step in range(3):
             if buckets:
@@ -133,20 +129,12 @@ def test_a_steady_state_step_runs_no_import_statement(monkeypatch, buckets, rout
     params, opt = _setup(5, buckets, fused=route == "fused",
                          dtypes=(torch.float32, torch.bfloat16))
     scaler = GradScaler("cpu", backend="triton", init_scale=4.0)
-    own_step, imports, real_import = opt.step, [], builtins.__import__
-
-    def step_uncounted(*args, **kwargs):
-        _IN_KERNEL[0] += 1
-        try:
-            return own_step(*args, **kwargs)
-        finally:
-            _IN_KERNEL[0] -= 1
+    opt.step, imports, real_import = _uncounted(opt.step), [], builtins.__import__
 
     def counted_import(name, *args, **kwargs):
         if not _IN_KERNEL[0]:
             imports.append(name)
         return real_import(name, *args, **kwargs)
-    opt.step = step_uncounted
     with _launches(monkeypatch) as counts:
         monkeypatch.setattr(builtins, "__import__", counted_import)
         for step in range(3):
