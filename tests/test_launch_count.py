@@ -113,7 +113,6 @@ def test_one_launch_per_group_and_one_for_update(monkeypatch, buckets, fused):
             opt.zero_grad(set_to_none=False)
 
 
-
 @pytest.mark.parametrize("buckets", [False, True])
 @pytest.mark.parametrize("route", ["unscale_", "fused", "clip_grad_norm_"])
 def test_a_steady_state_step_runs_no_import_statement(monkeypatch, buckets, route):
@@ -152,8 +151,8 @@ def test_a_steady_state_step_runs_no_import_statement(monkeypatch, buckets, rout
             scaler.update()
             if step > 0:
                 assert not in_scale and not imports, (step, in_scale, imports)
-        monkeypatch.setattr(builtins, "__import__", real_import)
     assert counts["update"] == 3 and counts["unscale"] >= 6, counts  # the kernels did run
+
 
 def os_interpreter_missing():
     import os
