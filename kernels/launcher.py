@@ -51,9 +51,9 @@ def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
     ``tensors[0]``: the kernel's parameters are its tensors, then its other runtime values,
     then its constexprs (passed by name, in the kernel's order). ``options`` (``num_warps``,
     ...) must be the same at every call for one kernel. Asynchronous, as ``kernel[grid]``."""
-    device = tensors[0].device
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):  # now current: the launch below runs there
+    first = tensors[0]
+    if first.is_cuda and first.get_device() != torch.cuda.current_device():
+        with torch.cuda.device(first.device):  # now current: the launch below runs there
             return launch(kernel, grid, tensors, scalars, constexprs, options)
     if not DIRECT:
         kernel[(grid,)](*tensors, *scalars, **constexprs, **options)

@@ -160,10 +160,16 @@ def test_every_launch_site_names_its_constexprs_in_order(monkeypatch, triton_dev
 
 
 class _OnDevice:
-    """Stands in for a CUDA tensor (no GPU here): only its device is read before launching."""
+    """Stands in for a CUDA tensor (no GPU here): only where it lives is read before launching
+    (``is_cuda`` and ``get_device()``, then ``device`` to make it current)."""
+
+    is_cuda = True
 
     def __init__(self, index):
         self.device = torch.device("cuda", index)
+
+    def get_device(self):
+        return self.device.index
 
 
 @pytest.mark.parametrize("direct_launch", [False, True])
