@@ -50,7 +50,8 @@ def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
     """``kernel[(grid,)](*tensors, *scalars, **constexprs, **options)`` on the device of
     ``tensors[0]``: the kernel's parameters are its tensors, then its other runtime values,
     then its constexprs (passed by name, in the kernel's order). ``options`` (``num_warps``,
-    ...) must be the same at every call for one kernel. Asynchronous, as ``kernel[grid]``."""
+    ...) are not part of what is remembered: for one kernel they must follow from its
+    constexprs (unscale's 16 warps from ``FP64=True``). Asynchronous, as ``kernel[grid]``."""
     first = tensors[0]
     if first.is_cuda and first.get_device() != torch.cuda.current_device():
         with torch.cuda.device(first.device):  # now current: the launch below runs there

@@ -31,8 +31,12 @@ from .plan import UnscalePlan, _captured, build_plan
 
 GPU_BLOCK = 4096
 GPU_NUM_WARPS = 8
+# float64: the same block over twice the threads, 8 doubles a thread. With 8 warps its variants
+# took up to 66 registers per thread (sm_90) and triton 3.8's clip pass spilled; with 16, 40.
+GPU_NUM_WARPS_FP64 = 16
 INTERPRETER_BLOCK = 1 << 16  # each interpreted program costs milliseconds: few, large blocks
 _GPU_OPTIONS = {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
+_GPU_OPTIONS_FP64 = {**_GPU_OPTIONS, "num_warps": GPU_NUM_WARPS_FP64}
 _INTERPRETER_OPTIONS: dict = {}
 
 
@@ -221,7 +225,7 @@ def launch_unscale(
         WRITE=write, BF16_BITS=bf16_bits, VEC=16 // base.element_size(), FP64=fp64,
         ROUND=write or norm != 0, NORM=norm, CLIP=clip_coef is not None,
         INV_FROM_SCALE=inv_from_scale,
-    ), _INTERPRETER_OPTIONS if interpreting else _GPU_OPTIONS)
+    ), _INTERPRETER_OPTIONS if interpreting else _GPU_OPTIONS_FP64 if fp64 else _GPU_OPTIONS)
     if write:
         for g, c in plan.copies:
             g.copy_(c)

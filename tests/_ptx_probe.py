@@ -16,7 +16,12 @@ import triton  # noqa: E402
 import triton.backends.nvidia  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton_scaler.kernels.unscale import GPU_BLOCK, GPU_NUM_WARPS, unscale_kernel  # noqa: E402
+from triton_scaler.kernels.unscale import (  # noqa: E402
+    GPU_BLOCK,
+    GPU_NUM_WARPS,
+    GPU_NUM_WARPS_FP64,
+    unscale_kernel,
+)
 from triton_scaler.kernels.update import update_scale_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -41,7 +46,7 @@ def _compile(fn, signature, constexprs, attrs, num_warps):
         pid_line = re.search(r"(%\S+) = tt.get_program_id", kernel.asm["ttir"]).group(1)
         widened = re.search(rf"arith.extsi {re.escape(pid_line)} : i32 to i64", kernel.asm["ttir"])
         ops.append("TTIR:program_id_widened_to_i64" if widened else "TTIR:program_id_i32")
-    return ops + _sass_facts(kernel.asm["cubin"])
+    return ops + _sass_facts(kernel.asm["cubin"]) + [f"WARPS:{num_warps}"]
 
 
 def _sass_facts(cubin: bytes) -> list[str]:
@@ -77,6 +82,7 @@ def main():
     aligned_size = {**aligned_ptr, (names.index("n_elements"),): [["tt.divisibility", 16]]}
     for dtype in ("fp32", "fp16", "bf16", "fp64"):
         signature = _unscale_signature(dtype)
+        warps = GPU_NUM_WARPS_FP64 if dtype == "fp64" else GPU_NUM_WARPS  # as launch_unscale
         for use_table in (False, True):
             for write in (True, False):
                 constexprs = {"BLOCK": GPU_BLOCK, "USE_TABLE": use_table, "WRITE": write,
@@ -86,15 +92,14 @@ def main():
                               "CLIP": False, "INV_FROM_SCALE": False}
                 key = f"unscale/{dtype}/{'table' if use_table else 'flat'}/" \
                       f"{'write' if write else 'check'}"
-                facts[key] = _compile(unscale_kernel, signature, constexprs, aligned_size,
-                                      GPU_NUM_WARPS)
+                facts[key] = _compile(unscale_kernel, signature, constexprs, aligned_size, warps)
                 if not use_table and dtype != "fp64":  # n % 16 != 0: only the base aligned
                     facts[key + "/odd_size"] = _compile(unscale_kernel, signature, constexprs,
-                                                        aligned_ptr, GPU_NUM_WARPS)
+                                                        aligned_ptr, warps)
                 if use_table and dtype == "fp32":  # the scaler's route: inv from the scale
                     facts[key + "/inv_from_scale"] = _compile(
                         unscale_kernel, signature, {**constexprs, "INV_FROM_SCALE": True},
-                        aligned_ptr, GPU_NUM_WARPS)
+                        aligned_ptr, warps)
                 # clip_grad_norm_'s two passes: a table group's, or a bucket's (flat, padded)
                 for name, extra in (("norm2", dict(WRITE=False, ROUND=True, NORM=2)),
                                     ("norminf", dict(WRITE=False, ROUND=True, NORM=-1)),
@@ -102,7 +107,7 @@ def main():
                     if write == extra["WRITE"]:
                         facts[f"clip/{dtype}/{'table' if use_table else 'flat'}/{name}"] = \
                             _compile(unscale_kernel, signature, {**constexprs, **extra},
-                                     aligned_ptr if use_table else aligned_size, GPU_NUM_WARPS)
+                                     aligned_ptr if use_table else aligned_size, warps)
     for hysteresis in (False, True):
         signature = {"scale_ptr": "*fp32", "growth_tracker_ptr": "*i32",
                      "found_inf_ptr": "*fp32", "hysteresis_tracker_ptr": "*i32",

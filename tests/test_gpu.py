@@ -19,7 +19,7 @@ def _grads(sizes, dtype, device, seed=0):
     return [(torch.randn(n, device=device, generator=gen) * 3000).to(dtype) for n in sizes]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 @pytest.mark.parametrize("special", [math.inf, -math.inf, math.nan, None])
 @pytest.mark.parametrize("n_tensors", [1, 3, 300])
 def test_unscale_matches_torch_cuda(cuda, dtype, special, n_tensors):

@@ -153,11 +153,34 @@ def test_no_variant_spills_to_local_memory(ptx_facts):
         assert not [op for op in ops if op.startswith(("SASS:LDL", "SASS:STL"))], (key, ops)
 
 
-def test_every_variant_fits_four_blocks_per_sm(ptx_facts):
-    """At most 64 registers per thread, so 4 blocks of 8 warps fit on an sm_90 SM (65,536
-    registers). The masked path's 64-bit element compares took 80 or more (3 blocks or fewer)
-    with triton 3.6's ptxas, the GPU machine's, in every table write pass and every odd-size
-    flat launch."""
+def _fact(ops, name: str) -> int:
+    return int(next(op for op in ops if op.startswith(name + ":"))[len(name) + 1:])
+
+
+def test_every_variant_keeps_half_an_sm_busy(ptx_facts):
+    """At least 32 of an sm_90 SM's 64 warps resident, by registers (65,536 an SM, handed out
+    in multiples of 8 a thread): at most 64 registers a thread for 8-warp blocks (4 blocks).
+    The masked path's 64-bit element compares took 80 or more (3 blocks or fewer) with triton
+    3.6's ptxas, the GPU machine's, in every table write pass and every odd-size flat launch;
+    float64 in 8-warp blocks took up to 66 with triton 3.8's (it runs 16-warp blocks)."""
     for key, ops in _sass(ptx_facts).items():
-        registers = int(next(op for op in ops if op.startswith("REG:"))[len("REG:"):])
-        assert registers <= 64, (key, ops)
+        registers, warps = _fact(ops, "REG"), _fact(ops, "WARPS")
+        blocks = min(65536 // (-(-registers // 8) * 8 * 32 * warps), 32)  # 32 blocks at most
+        assert min(blocks * warps, 64) >= 32, (key, registers, warps)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_gpu_launches_use_the_warps_the_probe_compiles_with(monkeypatch, dtype):
+    """What a GPU launch passes as options is what these tests compiled: 8 warps, float64 16
+    (its 8-warp variants took up to 66 registers and spilled with triton 3.8's ptxas)."""
+    import torch
+    from triton_scaler.kernels import unscale
+
+    seen = []
+    monkeypatch.setattr(unscale, "_INTERPRETED", False)
+    monkeypatch.setattr(unscale, "launch", lambda *args: seen.append(args[-1]))
+    grads = [torch.ones(5, dtype=getattr(torch, dtype)), torch.ones(3, dtype=getattr(torch, dtype))]
+    for norm, coef in ((0, None), (2, None), (0, torch.ones(()))):
+        unscale.launch_unscale(grads, torch.zeros(()), torch.ones(()), norm=norm, clip_coef=coef)
+    warps = unscale.GPU_NUM_WARPS_FP64 if dtype == "float64" else unscale.GPU_NUM_WARPS
+    assert seen == [{"num_warps": warps, "enable_fp_fusion": False}] * 3
