@@ -34,8 +34,12 @@ import operator
 from collections import OrderedDict
 
 import torch
-from triton import knobs
 from triton.runtime import driver
+
+try:
+    from triton import knobs  # triton >= 3.4; the direct path needs it (and 3.6's launcher)
+except ImportError:
+    knobs = None
 
 #: Use the compiled kernels' launchers directly for repeated launches (see the module doc).
 DIRECT = False
@@ -84,7 +88,7 @@ def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
 def _reusable(compiled) -> bool:
     """A compiled kernel (not the interpreter's None) of a backend whose specialisation
     :func:`_key` covers: CUDA's (pointer alignment; ROCm's also depends on storage sizes)."""
-    return torch.version.hip is None and all(
+    return torch.version.hip is None and knobs is not None and all(
         hasattr(compiled, name) for name in ("run", "function", "packed_metadata"))
 
 

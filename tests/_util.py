@@ -6,6 +6,10 @@ _INT_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat1
            torch.float64: torch.int64}
 
 
+#: torch's error for the inf norm of an empty grad ("infinity norm" from 2.11 on, "inf norm" before)
+TORCHS_EMPTY_INF_NORM_ERROR = r"inf(inity)? norm on an empty tensor"
+
+
 def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Bit-for-bit equality, except that any NaN equals any NaN (payloads may differ)."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape

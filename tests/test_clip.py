@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from _util import assert_all_same
+from _util import TORCHS_EMPTY_INF_NORM_ERROR, assert_all_same
 
 from triton_scaler import GradBuckets, GradScaler
 
@@ -286,7 +286,7 @@ def test_an_empty_grad_is_left_out_of_the_inf_norm(backend, buckets):
     torch_scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
     torch_scaler.scale(torch.ones(()))
     torch_scaler.unscale_(torch.optim.SGD(theirs, lr=0.1))
-    with pytest.raises(RuntimeError, match="infinity norm on an empty tensor"):
+    with pytest.raises(RuntimeError, match=TORCHS_EMPTY_INF_NORM_ERROR):
         torch.nn.utils.clip_grad_norm_(theirs, 0.5, math.inf)
     expected = torch.nn.utils.clip_grad_norm_([p for p in theirs if p.numel()], 0.5, math.inf)
     total = scaler.clip_grad_norm_(opt, 0.5, math.inf)

@@ -34,6 +34,18 @@ pytestmark = [pytest.mark.slow,
 
 _results: dict = {}
 
+# torch < 2.10's clip leaves the stack of DTensor norms partial and reduces its total
+# ((sum over ranks of total ** p) ** (1 / p)); from 2.10 each norm is reduced before the
+# total, the arithmetic the reference backend reproduces bit for bit. Before 2.10, 2-norms
+# of DTensor grads agree to rounding only (README: tested versions).
+_DTENSOR_NORM_REDUCED_LAST = tuple(map(int, torch.__version__.split(".")[:2])) < (2, 10)
+
+
+def _exact_norm(backend: str, engine: str, norm_type: float) -> bool:
+    """Whether the reference backend's clip must equal the engine's own bit for bit."""
+    return backend == "reference" and not (
+        _DTENSOR_NORM_REDUCED_LAST and engine.startswith("fsdp2") and norm_type != math.inf)
+
 
 def _engine_results(backend, engine, tmp_path_factory):
     """One spawn per backend runs every 1-D engine (2 ranks), one every 2-D mesh case (4)."""
@@ -125,10 +137,11 @@ def _same_norm(ours, theirs, exact):
 def test_fused_clip_matches_the_engines_own_clip(backend, engine, norm_type, tmp_path_factory):
     """DDP: the norm of the rank's own (reduced) grads, as torch's clip; FSDP1: summed over
     the shards, as FSDP.clip_grad_norm_; FSDP2: over the mesh, as torch's clip of DTensors.
-    Reference backend: the same norms and parameters, bit for bit (torch's arithmetic); Triton:
-    the norm to 1e-6 (its sums run in another order), the same scales and skipped steps."""
+    Reference backend: the same norms and parameters, bit for bit (torch's arithmetic; for
+    DTensor 2-norms from torch 2.10); Triton: the norm to 1e-6 (its sums run in another
+    order), the same scales and skipped steps."""
     ranks = _clip_engine_results(backend, tmp_path_factory, engine)
-    exact = backend == "reference"
+    exact = _exact_norm(backend, engine, norm_type)
     for rank, results in enumerate(ranks):
         theirs, ours = results[engine, norm_type, "torch"], results[engine, norm_type, "ours"]
         assert "error" not in theirs, f"torch's run failed on rank {rank}: {theirs}"
@@ -170,7 +183,7 @@ def test_fused_clip_counts_a_replicated_dtensor_grad_once(backend, norm_type, me
         every = torch.cat([2 * f.double().reshape(-1) for f in fulls])  # d(p*p)/dp = 2p
         expected = torch.linalg.vector_norm(every, norm_type).item()
         assert abs(ours.item() - expected) <= 1e-6 * expected  # was 15.47 for 14.52 (2-norm)
-        if backend == "reference":
+        if _exact_norm(backend, "fsdp2" if mesh == "1-D" else "fsdp2_tp", norm_type):
             assert torch.equal(ours, theirs)
             assert all(torch.equal(a, b) for a, b in zip(ours_grads, their_grads))
 

@@ -5,7 +5,6 @@ run (tests/test_gpu.py, tests/run_gpu.sh) runs the real launchers."""
 
 import pytest
 import torch
-from triton import knobs
 from triton_scaler.kernels import launch_unscale, launch_update_scale, launcher, unscale, update
 
 from triton_scaler.policy import ScalePolicy
@@ -39,8 +38,14 @@ class _Kernel:
         return launch
 
 
+_NO_KNOBS = pytest.mark.skipif(launcher.knobs is None,
+                               reason="triton < 3.4 (no triton.knobs): the direct launcher is off")
+
+
 @pytest.fixture
 def direct(monkeypatch):
+    if launcher.knobs is None:
+        pytest.skip("triton < 3.4 (no triton.knobs): the direct launcher is off")
     monkeypatch.setattr(launcher, "DIRECT", True)
     monkeypatch.setattr(launcher, "_current_device", lambda: 0)
     monkeypatch.setattr(launcher, "_current_stream", lambda device: 1234)
@@ -60,7 +65,7 @@ def test_a_repeated_launch_calls_the_compiled_launcher(direct):
     _launch(kernel, x)
     _launch(kernel, x)
     assert len(kernel.launches) == 1
-    hooks = knobs.runtime
+    hooks = launcher.knobs.runtime
     expected = (3, 1, 1, 1234, "function", "packed", ("metadata", (3,), 1234),
                 hooks.launch_enter_hook, hooks.launch_exit_hook, x, 5, True, 64)
     assert len(kernel.runs) == 2
@@ -68,11 +73,12 @@ def test_a_repeated_launch_calls_the_compiled_launcher(direct):
                for run in kernel.runs)
 
 
+@_NO_KNOBS
 def test_the_launcher_is_called_as_tritons_own_run_calls_it():
     """The call above is, argument for argument, how the installed triton's
     ``JITFunction.run`` calls the compiled launcher (read from its source; CI has 3.9, the GPU
-    machine 3.6, and the suite passes on both): a triton that changes it fails here, not on
-    a GPU."""
+    machine 3.6; the suite passes with 3.4 to 3.9): a triton that changes it fails here, not
+    on a GPU."""
     import inspect
 
     from triton.runtime.jit import JITFunction
@@ -109,6 +115,19 @@ def test_off_and_interpreted_launches_always_go_through_triton(direct, monkeypat
     assert len(interpreted.launches) == 3
     monkeypatch.setattr(launcher, "DIRECT", False)
     kernel = _Kernel()
+    for _ in range(3):
+        _launch(kernel, x)
+    assert len(kernel.launches) == 3 and not kernel.runs
+
+
+def test_without_knobs_every_launch_goes_through_triton(monkeypatch):
+    """triton < 3.4 has no ``triton.knobs`` (the launch hooks the direct call passes): the
+    direct launcher stays off there, whatever ``DIRECT`` says."""
+    monkeypatch.setattr(launcher, "knobs", None)
+    monkeypatch.setattr(launcher, "DIRECT", True)
+    monkeypatch.setattr(launcher, "_current_device", lambda: 0)
+    launcher.clear()
+    kernel, x = _Kernel(), torch.zeros(8)
     for _ in range(3):
         _launch(kernel, x)
     assert len(kernel.launches) == 3 and not kernel.runs
