@@ -284,3 +284,21 @@ def test_apex_load_state_dict_validates_before_changing(backend):
 def test_peer_adapters_check_early_with_their_own_names(build, error, match):
     with pytest.raises(error, match=match):
         build()
+
+
+@pytest.mark.parametrize("version", ["3.2.0", "3.0.0", "2.3.1"])
+def test_a_triton_older_than_the_tested_floor_is_refused_by_name(monkeypatch, version):
+    """A triton below the suite's floor (pip's bound can be bypassed, e.g. ``--no-deps``) gets
+    a clear error at the first Triton launch, naming both versions and the way out."""
+    import triton
+
+    from triton_scaler import _backend
+
+    for ok in ("3.3.1", "3.4.0+git0a1b2c3", "3.9.0", "3.10.0", "4.0.0"):
+        _backend.check_triton_version(ok)
+    monkeypatch.setattr(_backend, "_kernels", None)
+    monkeypatch.setattr(triton, "__version__", version)
+    with pytest.raises(RuntimeError, match=rf"need triton >= 3\.3 .*triton {re.escape(version)} "
+                                           r"is installed.*backend='reference'"):
+        ops.non_finite_check_and_unscale_([torch.ones(3)], torch.zeros(()), torch.ones(()),
+                                          backend="triton")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import re
 from types import ModuleType
 from typing import Literal
 
 import torch
 
 BACKENDS = ("auto", "reference", "triton")
+#: The oldest triton the whole test suite passes with (README: tested versions).
+MIN_TRITON = (3, 3)
 Backend = Literal["auto", "reference", "triton"]
 
 
@@ -32,13 +35,28 @@ def triton_kernels() -> ModuleType:
     """The ``triton_scaler.kernels`` package: imported (with triton) on the first call, then
     a global read. The hot paths reach the kernels through this rather than an ``import``
     statement, which costs ~10 us a call with the host's caches cold (a training step's
-    forward and backward leave them so)."""
+    forward and backward leave them so). ``RuntimeError`` for a triton older than
+    :data:`MIN_TRITON`."""
     global _kernels
     if _kernels is None:
+        import triton
+
+        check_triton_version(triton.__version__)
         from triton_scaler import kernels
 
         _kernels = kernels
     return _kernels
+
+
+def check_triton_version(version: str) -> None:
+    """Raise ``RuntimeError`` unless triton ``version`` is at least :data:`MIN_TRITON`:
+    triton 3.2's interpreter flagged an overflow torch's op did not see, 3.0's and 3.1's
+    reject the kernel, and what their compilers make of it was never run."""
+    if tuple(int(part) for part in re.findall(r"\d+", version)[:2]) < MIN_TRITON:
+        raise RuntimeError(
+            f"triton_scaler's Triton kernels need triton >= {'.'.join(map(str, MIN_TRITON))} "
+            f"(the oldest its tests pass with); triton {version} is installed. Upgrade triton, "
+            "or pass backend='reference' (pure PyTorch, the same results)")
 
 
 def triton_interpreting() -> bool:
