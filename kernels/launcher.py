@@ -7,7 +7,7 @@ launch, which a scaler pays every step. :func:`launch` remembers the compiled ke
 launch by exactly what decides its specialisation, the current device and every argument
 (each tensor's address and dtype, every other value as it is), and when the same arguments
 come again (a training loop's steady state: the same buckets, tables and state buffers) calls
-that compiled kernel's launcher itself, as ``JITFunction.run`` ends (triton 3.6 to 3.9):
+that compiled kernel's launcher itself, as ``JITFunction.run`` ends (triton 3.4 to 3.9):
 ``kernel.run(grid..., stream, kernel.function, kernel.packed_metadata, launch_metadata,
 enter_hook, exit_hook, *args)``. Triton's launch hooks still run; its ``pre_run_hooks`` do
 not, and knobs that change compilation (``knobs.runtime.debug``, instrumentation) are not
@@ -37,7 +37,7 @@ import torch
 from triton.runtime import driver
 
 try:
-    from triton import knobs  # triton >= 3.4; the direct path needs it (and 3.6's launcher)
+    from triton import knobs  # triton >= 3.4: the launch hooks the direct path passes
 except ImportError:
     knobs = None
 
@@ -121,7 +121,7 @@ def _check_order(kernel, n_args: int, constexprs: dict) -> None:
 
 
 def _run(compiled, grid: int, stream, values: tuple) -> None:
-    """What ``JITFunction.run`` does once it has its compiled kernel (triton 3.6 to 3.9)."""
+    """What ``JITFunction.run`` does once it has its compiled kernel (triton 3.4 to 3.9)."""
     hooks = knobs.runtime
     compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
                  compiled.launch_metadata((grid,), stream, *values),

@@ -11,9 +11,9 @@ from typing import Literal
 import torch
 
 BACKENDS = ("auto", "reference", "triton")
+Backend = Literal["auto", "reference", "triton"]
 #: The oldest triton the whole test suite passes with (README: tested versions).
 MIN_TRITON = (3, 3)
-Backend = Literal["auto", "reference", "triton"]
 
 
 def check_backend(backend: object) -> None:
