@@ -34,10 +34,11 @@ pytestmark = [pytest.mark.slow,
 
 _results: dict = {}
 
-# torch < 2.10's clip leaves the stack of DTensor norms partial and reduces its total
-# ((sum over ranks of total ** p) ** (1 / p)); from 2.10 each norm is reduced before the
-# total, the arithmetic the reference backend reproduces bit for bit. Before 2.10, 2-norms
-# of DTensor grads agree to rounding only (README: tested versions).
+# torch < 2.10's clip leaves the stack of DTensor norms partial and reduces only its total
+# ((sum over ranks of total ** p) ** (1 / p)), its 1e-6 added to each rank's partial total
+# first; from 2.10 each norm is reduced before the total, the arithmetic the reference
+# backend reproduces bit for bit. Before 2.10, 2-norms of DTensor grads agree to rounding
+# only (README: the DTensor norm note).
 _DTENSOR_NORM_REDUCED_LAST = tuple(map(int, torch.__version__.split(".")[:2])) < (2, 10)
 
 

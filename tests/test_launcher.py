@@ -38,14 +38,14 @@ class _Kernel:
         return launch
 
 
-_NO_KNOBS = pytest.mark.skipif(launcher.knobs is None,
-                               reason="triton < 3.4 (no triton.knobs): the direct launcher is off")
+_NO_KNOBS_REASON = "triton < 3.4 (no triton.knobs): the direct launcher is off"
+_NO_KNOBS = pytest.mark.skipif(launcher.knobs is None, reason=_NO_KNOBS_REASON)
 
 
 @pytest.fixture
 def direct(monkeypatch):
     if launcher.knobs is None:
-        pytest.skip("triton < 3.4 (no triton.knobs): the direct launcher is off")
+        pytest.skip(_NO_KNOBS_REASON)
     monkeypatch.setattr(launcher, "DIRECT", True)
     monkeypatch.setattr(launcher, "_current_device", lambda: 0)
     monkeypatch.setattr(launcher, "_current_stream", lambda device: 1234)
