@@ -8,6 +8,9 @@ graph sees later changes to them.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -16,7 +19,7 @@ from triton_scaler.policy import PARAMS_LAYOUT  # the buffer's layout, owned by 
 
 from .launcher import launch
 
-__all__ = ["PARAMS_LAYOUT", "launch_update_scale", "update_scale_kernel"]
+__all__ = ["PARAMS_LAYOUT", "bind_update_scale", "launch_update_scale", "update_scale_kernel"]
 
 _OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}
 
@@ -116,6 +119,26 @@ def launch_update_scale(
     ``skipped_count`` (0-d int64) record the overflow, ``reset_found`` zeroes the flags for
     the next iteration and ``dynamic=False`` leaves the scale as it is. Asynchronous: no host
     synchronisation."""
+    bind_update_scale(scale, growth_tracker, found_inf, params, hysteresis_tracker,
+                      consecutive_hysteresis, dynamic=dynamic, skipped=skipped,
+                      skipped_count=skipped_count, reset_found=reset_found)()
+
+
+def bind_update_scale(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    params: torch.Tensor,
+    hysteresis_tracker: torch.Tensor | None,
+    consecutive_hysteresis: bool,
+    *,
+    dynamic: bool = True,
+    skipped: torch.Tensor | None = None,
+    skipped_count: torch.Tensor | None = None,
+    reset_found: bool = False,
+) -> Callable[[], None]:
+    """:func:`launch_update_scale` with its arguments checked and bound once: each call of
+    the result is that launch (a scaler's ``update()`` makes the same one every step)."""
     has_hysteresis = hysteresis_tracker is not None
     n_found = found_inf.numel()
     if n_found & (n_found - 1) or not found_inf.is_contiguous():
@@ -124,7 +147,7 @@ def launch_update_scale(
     record = skipped is not None
     if record and skipped.dtype != torch.uint8:
         skipped = skipped.view(torch.uint8)  # the kernel writes the flag's byte
-    launch(update_scale_kernel, 1, (
+    return functools.partial(launch, update_scale_kernel, 1, (
         scale, growth_tracker, found_inf,
         hysteresis_tracker if has_hysteresis else growth_tracker, params,
         skipped if record else found_inf,

@@ -183,3 +183,35 @@ def test_a_subclass_with_its_own_update_trains_as_torchs(backend, fused):
     assert_all_same(ours, theirs)
     assert our_scales == their_scales
     assert our_scales[2] == 2.0**7 and our_scales[9] == our_scales[8] / 2  # both skipped
+
+
+@pytest.mark.parametrize("replace", ["made_again", "assigned"])
+def test_update_writes_the_state_tensors_the_scaler_holds_now(backend, replace):
+    """``update()``'s device work is bound once and kept while its tensors stay the same: state
+    tensors made again (``_scale`` and ``_growth_tracker`` set to None, as torch's pickled
+    state has them: the next ``scale()`` makes every state tensor anew), or a new ``_scale``
+    and ``_growth_tracker`` assigned, are the ones updated afterwards, as with torch's."""
+    runs = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2),
+                   GradScaler("cpu", init_scale=2.0**8, growth_interval=2, backend=backend)):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(33, 5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scales = []
+        for step in range(7):
+            if step == 3 and replace == "made_again":
+                scaler._scale = scaler._growth_tracker = None
+            elif step == 3:
+                scaler._scale = torch.full((), 2.0**4)
+                scaler._growth_tracker = torch.ones((), dtype=torch.int32)
+            opt.zero_grad()
+            x = torch.randn(4, 33) * (math.inf if step == 5 else 1.0)
+            scaler.scale(model(x).square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append((scaler.get_scale(), scaler._growth_tracker.item()))
+        runs.append(([p.detach().clone() for p in model.parameters()], scales))
+    (theirs, their_scales), (ours, our_scales) = runs
+    assert_all_same(ours, theirs)
+    assert our_scales == their_scales
+    assert our_scales[3] == ((2.0**8, 1) if replace == "made_again" else (2.0**5, 0))

@@ -61,6 +61,8 @@ class ScalerStateMixin:
         self._host_spans: list[torch.Tensor] = []  # [scale, flags...][:i + 1] for each i
         self._slots_taken = 0
         self._warned_underflow = False
+        #: update()'s bound device work: (what it uses, the call); see GradScaler._bound_update
+        self._update_bound: tuple | None = None
 
     @eager_under_compile  # its device tensors and views made eagerly, never traced
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -258,5 +260,6 @@ class ScalerStateMixin:
             state["_found_slots"] = []
             state["_host_spans"] = []
             state["_slots_taken"] = 0
+        state["_update_bound"] = None  # holds the device tensors and a kernel: bound again
         state["_process_group"] = None  # process groups do not pickle; set it again after load
         return state

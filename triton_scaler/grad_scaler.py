@@ -5,6 +5,7 @@ Megatron-core, DeepSpeed, apex and MindSpore scalers."""
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -257,17 +258,31 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         at_min_scale = policy.dynamic and policy.raise_at_min_scale \
             and self._backs_off_at_min_scale()
         # One launch: combine the flags, record the skip, update the scale, zero the flags.
-        ops.scaler_update_(scale, growth_tracker, self._flags, policy,
-                           hysteresis_tracker=self._hysteresis_tracker_t,
-                           skipped=self._last_step_skipped_bytes,
-                           skipped_count=self._skipped_steps_t,
-                           backend=self._backend, params=self._params_t)
+        self._bound_update(scale, growth_tracker)()
         self._reset_iteration()
         if at_min_scale:  # raised after the update is complete: the scaler stays usable
             raise MinScaleReachedError(
                 f"Current loss scale already at minimum ({policy.min_scale}) - cannot decrease "
                 "scale anymore (raise_at_min_scale=True). The step was skipped and the update "
                 "is complete; the scaler can go on if this error is caught.")
+
+    def _bound_update(self, scale: torch.Tensor, growth_tracker: torch.Tensor):
+        """update()'s device work (``ops.bind_scaler_update``), bound once and kept while the
+        policy, the backend and each state tensor it uses are the same objects (compared by
+        identity: an integrator's new ``_scale`` is seen)."""
+        uses = (self._policy, self._backend, scale, growth_tracker, self._flags,
+                self._hysteresis_tracker_state, self._last_step_skipped_bytes,
+                self._skipped_steps_t, self._params_t)
+        bound = self._update_bound
+        if bound is not None and all(map(operator.is_, uses, bound[0])):
+            return bound[1]
+        call = ops.bind_scaler_update(scale, growth_tracker, self._flags, self._policy,
+                                      hysteresis_tracker=self._hysteresis_tracker_t,
+                                      skipped=self._last_step_skipped_bytes,
+                                      skipped_count=self._skipped_steps_t,
+                                      backend=self._backend, params=self._params_t)
+        self._update_bound = (uses, call)
+        return call
 
     def _backs_off_at_min_scale(self) -> bool:
         """Whether this iteration's overflow backs off with the scale already at

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -106,21 +106,36 @@ def scaler_update_(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: tor
     or its ``uint8`` view, made once by the scaler) and ``skipped_count`` (0-d int64) when
     ``policy.skip_on_overflow``, the scale is updated when ``policy.dynamic``, and ``flags``
     is zeroed. One launch on Triton; no host sync."""
+    bind_scaler_update(scale, growth_tracker, flags, policy,
+                       hysteresis_tracker=hysteresis_tracker, skipped=skipped,
+                       skipped_count=skipped_count, backend=backend, params=params)()
+
+
+def bind_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
+                       policy: ScalePolicy, *, hysteresis_tracker: torch.Tensor | None,
+                       skipped: torch.Tensor, skipped_count: torch.Tensor, backend: str,
+                       params: torch.Tensor | None) -> Callable[[], None]:
+    """:func:`scaler_update_` with the backend resolved and the arguments bound once: each
+    call of the result is that update. The scaler keeps it while these stay the same."""
     if resolve_backend(backend, scale.device) == "triton":
-        triton_kernels().launch_update_scale(
+        return triton_kernels().bind_update_scale(
             scale, growth_tracker, flags,
             policy.kernel_params(scale.device) if params is None else params,
             hysteresis_tracker, policy.consecutive_hysteresis, dynamic=policy.dynamic,
             skipped=skipped if policy.skip_on_overflow else None,
             skipped_count=skipped_count, reset_found=True)
-        return
-    found = (flags != 0).any()
-    if policy.skip_on_overflow:
-        skipped.copy_(found)
-        skipped_count.add_(found)
-    if policy.dynamic:
-        reference.update_scale_(scale, growth_tracker, found.float(), policy, hysteresis_tracker)
-    flags.zero_()
+
+    def reference_update() -> None:
+        found = (flags != 0).any()
+        if policy.skip_on_overflow:
+            skipped.copy_(found)
+            skipped_count.add_(found)
+        if policy.dynamic:
+            reference.update_scale_(scale, growth_tracker, found.float(), policy,
+                                    hysteresis_tracker)
+        flags.zero_()
+
+    return reference_update
 
 
 def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
