@@ -97,26 +97,17 @@ def unscale_group_(grads: list[torch.Tensor], found_inf: torch.Tensor,
         reference.check_(grads, found_inf, inv_scale)
 
 
-def scaler_update_(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
-                   policy: ScalePolicy, *, hysteresis_tracker: torch.Tensor | None,
-                   skipped: torch.Tensor, skipped_count: torch.Tensor, backend: str,
-                   params: torch.Tensor | None) -> None:
-    """The whole of :meth:`GradScaler.update` on the device: an overflow is any non-zero
-    entry of ``flags`` (1-D fp32, one per optimizer); it is recorded in ``skipped`` (0-d bool,
-    or its ``uint8`` view, made once by the scaler) and ``skipped_count`` (0-d int64) when
-    ``policy.skip_on_overflow``, the scale is updated when ``policy.dynamic``, and ``flags``
-    is zeroed. One launch on Triton; no host sync."""
-    bind_scaler_update(scale, growth_tracker, flags, policy,
-                       hysteresis_tracker=hysteresis_tracker, skipped=skipped,
-                       skipped_count=skipped_count, backend=backend, params=params)()
-
-
 def bind_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
                        policy: ScalePolicy, *, hysteresis_tracker: torch.Tensor | None,
                        skipped: torch.Tensor, skipped_count: torch.Tensor, backend: str,
                        params: torch.Tensor | None) -> Callable[[], None]:
-    """:func:`scaler_update_` with the backend resolved and the arguments bound once: each
-    call of the result is that update. The scaler keeps it while these stay the same."""
+    """The whole of :meth:`GradScaler.update` on the device, bound once: each call of the
+    result is one update. An overflow is any non-zero entry of ``flags`` (1-D fp32, one per
+    optimizer); it is recorded in ``skipped`` (0-d bool, or its ``uint8`` view, made once by
+    the scaler) and ``skipped_count`` (0-d int64) when ``policy.skip_on_overflow``, the scale
+    is updated when ``policy.dynamic``, and ``flags`` is zeroed. The backend is resolved and
+    the arguments checked here, once; the scaler keeps the result while these stay the same
+    objects. One launch per call on Triton; no host sync."""
     if resolve_backend(backend, scale.device) == "triton":
         return triton_kernels().bind_update_scale(
             scale, growth_tracker, flags,
