@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -266,7 +266,8 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
                 "scale anymore (raise_at_min_scale=True). The step was skipped and the update "
                 "is complete; the scaler can go on if this error is caught.")
 
-    def _bound_update(self, scale: torch.Tensor, growth_tracker: torch.Tensor):
+    def _bound_update(self, scale: torch.Tensor, growth_tracker: torch.Tensor
+                      ) -> Callable[[], None]:
         """update()'s device work (``ops.bind_scaler_update``), bound once and kept while the
         policy, the backend and each state tensor it uses are the same objects (compared by
         identity: an integrator's new ``_scale`` is seen)."""
