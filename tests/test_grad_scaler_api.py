@@ -137,12 +137,14 @@ def test_extension_state_survives_a_checkpoint(backend):
     assert restored.state_dict() == state
     clone = pickle.loads(pickle.dumps(scaler))
     assert clone.state_dict() == state
-    assert copy.deepcopy(scaler).state_dict() == state
-    for s in (scaler, restored):
+    copied = copy.deepcopy(scaler)
+    assert copied.state_dict() == state
+    for s in (scaler, restored, clone, copied):  # copies update their own state tensors
         p2, opt2 = _setup(s)
         s.step(opt2)
         s.update()
-    assert restored.state_dict() == scaler.state_dict()
+    assert restored.state_dict() == clone.state_dict() == copied.state_dict() == \
+        scaler.state_dict()
 
 
 def test_pickling_mid_iteration_is_refused_as_torch():
