@@ -6,7 +6,6 @@ triton_scaler imports it lazily, only when the Triton backend is used.
 
 from .plan import UnscalePlan
 from .unscale import launch_unscale, plan_unscale
-from .update import bind_update_scale, launch_update_scale
+from .update import bind_update_scale
 
-__all__ = ["UnscalePlan", "bind_update_scale", "launch_unscale", "launch_update_scale",
-           "plan_unscale"]
+__all__ = ["UnscalePlan", "bind_update_scale", "launch_unscale", "plan_unscale"]

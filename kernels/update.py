@@ -19,7 +19,7 @@ from triton_scaler.policy import PARAMS_LAYOUT  # the buffer's layout, owned by 
 
 from .launcher import launch
 
-__all__ = ["PARAMS_LAYOUT", "bind_update_scale", "launch_update_scale", "update_scale_kernel"]
+__all__ = ["PARAMS_LAYOUT", "bind_update_scale", "update_scale_kernel"]
 
 _OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}
 
@@ -97,33 +97,6 @@ def _update_scale(scale_ptr, growth_tracker_ptr, hysteresis_tracker_ptr, params_
     tl.store(growth_tracker_ptr, new_tracker)
 
 
-def launch_update_scale(
-    scale: torch.Tensor,
-    growth_tracker: torch.Tensor,
-    found_inf: torch.Tensor,
-    params: torch.Tensor,
-    hysteresis_tracker: torch.Tensor | None,
-    consecutive_hysteresis: bool,
-    *,
-    dynamic: bool = True,
-    skipped: torch.Tensor | None = None,
-    skipped_count: torch.Tensor | None = None,
-    reset_found: bool = False,
-) -> None:
-    """Update ``scale`` (0-d fp32), ``growth_tracker`` and ``hysteresis_tracker`` (0-d int32)
-    in place from ``found_inf`` and ``params`` (fp64, ``PARAMS_LAYOUT``), all on one device.
-
-    ``found_inf`` is a 0-d fp32 flag, or a 1-D fp32 tensor of flags (one per optimizer, a
-    power-of-two count) of which any non-zero one is an overflow. The scaler's whole
-    ``update()`` in this one launch: ``skipped`` (0-d bool, or its ``uint8`` view) and
-    ``skipped_count`` (0-d int64) record the overflow, ``reset_found`` zeroes the flags for
-    the next iteration and ``dynamic=False`` leaves the scale as it is. Asynchronous: no host
-    synchronisation."""
-    bind_update_scale(scale, growth_tracker, found_inf, params, hysteresis_tracker,
-                      consecutive_hysteresis, dynamic=dynamic, skipped=skipped,
-                      skipped_count=skipped_count, reset_found=reset_found)()
-
-
 def bind_update_scale(
     scale: torch.Tensor,
     growth_tracker: torch.Tensor,
@@ -137,8 +110,17 @@ def bind_update_scale(
     skipped_count: torch.Tensor | None = None,
     reset_found: bool = False,
 ) -> Callable[[], None]:
-    """:func:`launch_update_scale` with its arguments checked and bound once: each call of
-    the result is that launch (a scaler's ``update()`` makes the same one every step)."""
+    """The update of ``scale`` (0-d fp32), ``growth_tracker`` and ``hysteresis_tracker`` (0-d
+    int32) in place from ``found_inf`` and ``params`` (fp64, ``PARAMS_LAYOUT``), all on one
+    device, checked and bound once: each call of the result is that one launch (a scaler's
+    ``update()`` makes the same one every step).
+
+    ``found_inf`` is a 0-d fp32 flag, or a 1-D fp32 tensor of flags (one per optimizer, a
+    power-of-two count) of which any non-zero one is an overflow. The scaler's whole
+    ``update()`` in this one launch: ``skipped`` (0-d bool, or its ``uint8`` view) and
+    ``skipped_count`` (0-d int64) record the overflow, ``reset_found`` zeroes the flags for
+    the next iteration and ``dynamic=False`` leaves the scale as it is. Binding launches
+    nothing; a call is asynchronous: no host synchronisation."""
     has_hysteresis = hysteresis_tracker is not None
     n_found = found_inf.numel()
     if n_found & (n_found - 1) or not found_inf.is_contiguous():

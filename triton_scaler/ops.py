@@ -265,7 +265,7 @@ def update_with_policy_(scale: torch.Tensor, growth_tracker: torch.Tensor,
     if resolve_backend(backend, scale.device) == "triton":
         if params is None:
             params = policy.kernel_params(scale.device)
-        triton_kernels().launch_update_scale(scale, growth_tracker, found_inf, params,
-                                             hysteresis_tracker, policy.consecutive_hysteresis)
+        triton_kernels().bind_update_scale(scale, growth_tracker, found_inf, params,
+                                           hysteresis_tracker, policy.consecutive_hysteresis)()
     else:
         reference.update_scale_(scale, growth_tracker, found_inf, policy, hysteresis_tracker)
