@@ -251,7 +251,8 @@ def update_with_policy_(scale: torch.Tensor, growth_tracker: torch.Tensor,
                         hysteresis_tracker: torch.Tensor | None = None,
                         backend: Backend = "auto", params: torch.Tensor | None = None) -> None:
     """:func:`update_scale_` with its settings as a validated :class:`ScalePolicy` (the
-    scaler's own call). ``hysteresis_tracker`` None: no hysteresis. No host sync."""
+    DeepSpeed- and MindSpore-style scalers' call; :class:`GradScaler` binds its update once,
+    :func:`bind_scaler_update`). ``hysteresis_tracker`` None: no hysteresis. No host sync."""
     _check_flag("scale", scale, torch.float32)
     _check_flag("growth_tracker", growth_tracker, torch.int32)
     _check_flag("found_inf", found_inf, torch.float32)
