@@ -145,11 +145,14 @@ def test_grads_cycling_through_memory_layouts(backend, n_layouts, monkeypatch):
         assert built["plans"] == (n_layouts if n_layouts <= 4 else 3 * n_layouts + 2)
 
 
-def test_parameter_resized_in_place_then_a_new_parameter_list(backend):
-    """The remedy the README gives for the one change the address check cannot see: a
-    parameter resized in place (``param.data = ...``) whose new grad starts at its old grad's
-    address, then ``group["params"] = list(group["params"])``: re-planned, equal to torch,
-    with an inf planted in the last element of the grown grad."""
+@pytest.mark.parametrize("new_list", [False, True], ids=["same_list", "new_list"])
+@pytest.mark.parametrize("new_size", [350, 250], ids=["grown", "shrunk"])
+def test_parameter_resized_in_place(backend, new_size, new_list):
+    """A parameter resized in place (``param.data = ...``) whose new grad starts at its old
+    grad's address, with or without a new ``group["params"]`` list: re-planned through the
+    grads' sizes, equal to torch. Grown: an inf in the grown grad's last element (a stale plan
+    misses it). Shrunk: an inf just past the shrunk grad's end (a stale plan sees it and
+    writes there); the memory around the grads must also be what torch leaves."""
     def run(scaler):
         torch.manual_seed(0)
         memory = [torch.zeros(7), torch.zeros(400), torch.zeros(33)]
@@ -158,16 +161,20 @@ def test_parameter_resized_in_place_then_a_new_parameter_list(backend):
         for step in range(5):
             if step == 2:
                 params[1].grad = None
-                params[1].data = torch.randn(350)  # its grad now starts where it did
-                group = opt.param_groups[0]
-                group["params"] = list(group["params"])
+                params[1].data = torch.randn(new_size)  # its grad now starts where it did
+                if new_list:
+                    group = opt.param_groups[0]
+                    group["params"] = list(group["params"])
             for p, m in zip(params, memory):
-                p.grad = m[: p.numel()].zero_()
+                m.zero_()
+                p.grad = m[: p.numel()]
+            if step >= 2:  # past the resized grad's end
+                memory[1][new_size:] = float("inf") if step == 3 and new_size < 300 else 1.0
             scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(params))).backward()
-            if step == 3:
+            if step == 3 and new_size > 300:
                 params[1].grad[-1] = float("inf")
             scaler.step(opt)
             scaler.update()
-        return scaler.get_scale(), [p.detach().clone() for p in params]
+        return scaler.get_scale(), [p.detach().clone() for p in params] + memory
 
     _assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)

@@ -2,9 +2,10 @@
 
 The grouping is cached per optimizer and checked, each step, against the optimizer's live
 parameter objects (one identity pass; none when GradBuckets hold every parameter). A step
-whose grads are those of the last step, or new grads at the same addresses, costs: nothing
-per parameter when GradBuckets hold every grad; otherwise one C-level pass reading the grads
-and one reading their addresses, then the last step's launch plans (no hashing, no table).
+whose grads are those of the last step, or new grads at the same addresses and of the same
+sizes, costs: nothing per parameter when GradBuckets hold every grad; otherwise one C-level
+pass reading the grads, one reading their addresses and one their sizes, then the last step's
+launch plans (no hashing, no table).
 Grads back at the addresses of one of the last few steps (an allocator whose blocks cycle)
 add one hash of the addresses.
 """
@@ -96,9 +97,9 @@ class _Layout:
                              for (device, dtype), indices in by_key.items()]
         self.has_fp16 = any(dtype == torch.float16 for _, dtype in by_key)
         # the grads' addresses -> (the scaler's backend, each plain group's launch plan
-        # without its grads), for the last address layouts where every group had a reusable
-        # Triton plan; ``last`` is the newest (key, value), compared without hashing. No grad
-        # is held, so zero_grad(set_to_none=True) frees them.
+        # without its grads, the grads' sizes), for the last address layouts where every
+        # group had a reusable Triton plan; ``last`` is the newest (key, value), compared
+        # without hashing. No grad is held, so zero_grad(set_to_none=True) frees them.
         self.plans: OrderedDict[tuple[int, ...], tuple] = OrderedDict()
         self.last: tuple | None = None
 
@@ -174,22 +175,22 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
     per-grad path) when a grad is None, sparse, not a plain tensor, or not of its parameter's
     dtype and device as the layout knows them.
 
-    Grads at the addresses of the last step (or of one of the last ``_PLAN_CACHE_SIZE``
-    address layouts) reuse that layout's launch plans: one pass reading the grads and one
-    reading their addresses. Same parameter objects, same memory: torch keeps a grad's
-    dtype, size and device its parameter's; a parameter converted in place
-    (``param.data = ...``, ``module.half()``) is caught through each group's launch base (its
-    first non-empty grad). Not caught: a parameter *resized* in place whose new grad starts at
-    its old grad's address (README; a new ``group["params"]`` list re-plans)."""
+    Grads at the addresses and with the sizes of the last step (or of one of the last
+    ``_PLAN_CACHE_SIZE`` layouts) reuse that layout's launch plans: one pass reading the grads,
+    one reading their addresses and one their sizes. Same parameter objects, same memory, same
+    sizes: torch keeps a grad's dtype, size and device its parameter's; a parameter resized in
+    place (``param.data = ...``) is caught through the sizes, one converted in place
+    (``module.half()``) through each group's launch base (its first non-empty grad)."""
     grads = list(map(_GRAD, layout.outside))
     try:
         addresses = tuple(map(_DATA_PTR, grads))
     except (TypeError, RuntimeError):  # a None grad (no data_ptr), a sparse one
         return None
-    last = layout.last  # the last step's layout: one tuple comparison, no hash
+    numels = tuple(map(_NUMEL, grads))
+    last = layout.last  # the last step's layout: tuple comparisons, no hash
     entry = last[1] if last is not None and last[0] == addresses else \
         _earlier_plans(layout, addresses)
-    if entry is not None and entry[0] == backend:
+    if entry is not None and entry[0] == backend and entry[2] == numels:
         groups = []
         for (device, dtype, pick), template in zip(layout.plain_groups, entry[1]):
             members = pick(grads)
@@ -199,7 +200,7 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
             groups.append(GradGroup(device, members, plan=template.rebased(base)))
         else:
             return groups
-    return _groups_planned(layout, backend, grads, addresses)
+    return _groups_planned(layout, backend, grads, addresses, numels)
 
 
 def _earlier_plans(layout: _Layout, addresses: tuple[int, ...]) -> tuple | None:
@@ -213,7 +214,8 @@ def _earlier_plans(layout: _Layout, addresses: tuple[int, ...]) -> tuple | None:
 
 
 def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
-                    addresses: tuple[int, ...]) -> list[GradGroup] | None:
+                    addresses: tuple[int, ...], numels: tuple[int, ...]
+                    ) -> list[GradGroup] | None:
     """New launch plans (a chunk table each) after checking every grad's type, dtype,
     device and size; stored for the next step's :func:`_groups_fast`."""
     if set(map(type, grads)) != {torch.Tensor}:
@@ -228,14 +230,13 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
                 members[0].device != device:
             layout.signature = None  # parameters converted in place: rebuild next step
             return None
-        group = GradGroup(device, members, tuple(map(_NUMEL, members)),
-                          tuple(pick(addresses)))
+        group = GradGroup(device, members, tuple(pick(numels)), tuple(pick(addresses)))
         if resolve_backend(backend, device) == "triton":
             plan = group.launch_target()
             templates.append(plan.template() if plan.reusable else None)
         groups.append(group)
     if len(templates) == len(groups) and None not in templates:  # reusable: stored
-        entry = layout.plans[addresses] = (backend, templates)
+        entry = layout.plans[addresses] = (backend, templates, numels)
         layout.plans.move_to_end(addresses)
         layout.last = (addresses, entry)
         if len(layout.plans) > _PLAN_CACHE_SIZE:
