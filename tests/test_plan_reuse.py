@@ -178,3 +178,30 @@ def test_parameter_resized_in_place(backend, new_size, new_list):
         return scaler.get_scale(), [p.detach().clone() for p in params] + memory
 
     _assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
+
+
+@pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
+def test_gapped_grad_assigned_then_a_new_parameter_list(backend):
+    """The remedy the README gives for the one change the per-step check does not see: a
+    gapped grad assigned at exactly the address and size of the grad before it, then
+    ``group["params"] = list(group["params"])``: re-planned (a copy-back launch), equal to
+    torch, the memory between the gapped grad's elements included."""
+    def run(scaler):
+        torch.manual_seed(0)
+        memory = [torch.zeros(20), torch.zeros(700), torch.zeros(80)]
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 300, 33)]
+        opt = torch.optim.SGD(params, lr=0.1)
+        for step in range(4):
+            for p, m in zip(params, memory):
+                m.fill_(1.0)
+                p.grad = m[: p.numel()].zero_()
+            if step >= 2:
+                params[1].grad = memory[1][:600:2].zero_()
+            if step == 2:
+                opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
+            scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(params))).backward()
+            scaler.step(opt)
+            scaler.update()
+        return scaler.get_scale(), [p.detach().clone() for p in params] + memory
+
+    _assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)

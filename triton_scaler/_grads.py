@@ -180,7 +180,9 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
     one reading their addresses and one their sizes. Same parameter objects, same memory, same
     sizes: torch keeps a grad's dtype, size and device its parameter's; a parameter resized in
     place (``param.data = ...``) is caught through the sizes, one converted in place
-    (``module.half()``) through each group's launch base (its first non-empty grad)."""
+    (``module.half()``) through each group's launch base (its first non-empty grad). Not
+    caught: a gapped grad assigned by the user (``p.grad = m[::2]``) at the address and with
+    the size of the grad before it (README; a new ``group["params"]`` list re-plans)."""
     grads = list(map(_GRAD, layout.outside))
     try:
         addresses = tuple(map(_DATA_PTR, grads))
