@@ -156,6 +156,17 @@ def _replace_param(side, i, spec, data_seed, in_place):
                 group["params"] = params
 
 
+def _resize_param(side, i, spec, data_seed):
+    """Parameter ``i`` resized in place (``param.data = ...``, as model surgery does), with
+    its grad dropped and its optimizer state reset. Its next grad may land at its old grad's
+    address (CPU malloc reuses a freed block of the same size class)."""
+    p = side.params[i]
+    p.data = new_param(spec, torch.Generator().manual_seed(data_seed), side.device).data
+    p.grad = None  # (freed last: the next backward may take its block)
+    for opt in side.optimizers:
+        opt.state.pop(p, None)
+
+
 def _checkpoint(side, fresh):
     state = side.scaler.state_dict()
     if fresh:
@@ -167,8 +178,16 @@ def draw_call(rng: random.Random, setup: dict, gen: torch.Generator):
     n_opt, n_params = len(setup["optimizers"]), len(setup["params"])
     k = rng.randrange(n_opt)
     kind = rng.choices(["backward", "unscale", "clip", "step", "update", "zero_grad",
-                        "change_grad", "set_factor", "checkpoint", "add_group", "replace"],
-                       [30, 8, 4, 20, 15, 10, 6, 3, 4, 1, 1])[0]
+                        "change_grad", "set_factor", "checkpoint", "add_group", "replace",
+                        "resize"],  # (not with GradBuckets: they fix their views when built)
+                       [30, 8, 4, 20, 15, 10, 6, 3, 4, 1, 1, 0 if setup["buckets"] else 2])[0]
+    if kind == "resize":
+        i = rng.randrange(n_params)
+        shape, dtype, transposed = setup["params"][i]
+        low = 0 if len(shape) == 1 else 1
+        shape = tuple(max(low, n + rng.choice([-2, -1, 1, 2])) for n in shape)
+        setup["params"][i] = (shape, dtype, transposed)
+        return _resize_param, (i, setup["params"][i], rng.randrange(10**6))
     if kind == "add_group":
         setup["params"].append(((rng.randint(0, 40),), torch.float32, False))
         return _add_param_group, (k, setup["params"][-1], rng.randrange(10**6))
