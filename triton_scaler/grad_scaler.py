@@ -134,10 +134,11 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         from_scale = inv_scale is None
         per_device_inv_scale = PerDevice(self._scale if from_scale else inv_scale)
         per_device_found_inf = (_MultiDeviceReplicator if copy_found_inf else PerDevice)(found_inf)
-        # torch.no_grad() as torch's _unscale_grads_, through set_grad_enabled's function form:
-        # the context manager's Python machinery costs ~20 us a step with cold caches
+        # torch.no_grad() as torch's _unscale_grads_, through the C call that torch's
+        # set_grad_enabled makes: the context manager's Python machinery costs ~20 us a step
+        # with cold caches, set_grad_enabled's own object a few
         grad_mode = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)
+        torch._C._set_grad_enabled(False)
         try:
             groups, mesh_groups = grad_groups(optimizer, allow_fp16, self._backend)
             for group in groups:
@@ -148,7 +149,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
             if mesh_groups:
                 agree_over_meshes(per_device_found_inf._per_device_tensors, mesh_groups)
         finally:
-            torch.set_grad_enabled(grad_mode)
+            torch._C._set_grad_enabled(grad_mode)
         if not groups and self._process_group is not None:
             per_device_found_inf.get(found_inf.device)  # no grads here: join the agreement, 0
         return per_device_found_inf._per_device_tensors
