@@ -145,6 +145,29 @@ def test_grads_cycling_through_memory_layouts(backend, n_layouts, monkeypatch):
         assert built["plans"] == (n_layouts if n_layouts <= 4 else 3 * n_layouts + 2)
 
 
+def _train_in_fixed_memory(scaler, before_backward, steps=5):
+    """SGD over parameters of 7, 300 and 33 elements whose grads are views at the start of
+    three fixed buffers (so each grad starts where it did the step before), with
+    ``before_backward(step, params, memory, opt)`` changing things each step. Returns the
+    scale, the parameters and the buffers (what a stale launch plan would write past a
+    grad's end shows there)."""
+    torch.manual_seed(0)
+    memory = [torch.zeros(20), torch.zeros(700), torch.zeros(80)]
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 300, 33)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    for step in range(steps):
+        for p, m in zip(params, memory):
+            m.fill_(1.0)
+            p.grad = m[: p.numel()].zero_()
+        before_backward(step, params, memory, opt)
+        scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(params))).backward()
+        if step == 3 and params[1].numel() > 300:  # the grown grad's last element
+            params[1].grad[-1] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    return scaler.get_scale(), [p.detach().clone() for p in params] + memory
+
+
 @pytest.mark.parametrize("new_list", [False, True], ids=["same_list", "new_list"])
 @pytest.mark.parametrize("new_size", [350, 250], ids=["grown", "shrunk"])
 def test_parameter_resized_in_place(backend, new_size, new_list):
@@ -153,31 +176,18 @@ def test_parameter_resized_in_place(backend, new_size, new_list):
     grads' sizes, equal to torch. Grown: an inf in the grown grad's last element (a stale plan
     misses it). Shrunk: an inf just past the shrunk grad's end (a stale plan sees it and
     writes there); the memory around the grads must also be what torch leaves."""
-    def run(scaler):
-        torch.manual_seed(0)
-        memory = [torch.zeros(7), torch.zeros(400), torch.zeros(33)]
-        params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 300, 33)]
-        opt = torch.optim.SGD(params, lr=0.1)
-        for step in range(5):
-            if step == 2:
-                params[1].grad = None
-                params[1].data = torch.randn(new_size)  # its grad now starts where it did
-                if new_list:
-                    group = opt.param_groups[0]
-                    group["params"] = list(group["params"])
-            for p, m in zip(params, memory):
-                m.zero_()
-                p.grad = m[: p.numel()]
-            if step >= 2:  # past the resized grad's end
-                memory[1][new_size:] = float("inf") if step == 3 and new_size < 300 else 1.0
-            scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(params))).backward()
-            if step == 3 and new_size > 300:
-                params[1].grad[-1] = float("inf")
-            scaler.step(opt)
-            scaler.update()
-        return scaler.get_scale(), [p.detach().clone() for p in params] + memory
+    def resize(step, params, memory, opt):
+        if step == 2:
+            params[1].data = torch.randn(new_size)  # its grad still starts where it did
+            params[1].grad = memory[1][:new_size].zero_()
+            if new_list:
+                group = opt.param_groups[0]
+                group["params"] = list(group["params"])
+        if step == 3 and new_size < 300:
+            memory[1][new_size] = float("inf")
 
-    _assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
+    _assert_matches_torch(lambda scaler: _train_in_fixed_memory(scaler, resize), backend,
+                          init_scale=8.0, growth_interval=1)
 
 
 @pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
@@ -186,22 +196,11 @@ def test_gapped_grad_assigned_then_a_new_parameter_list(backend):
     gapped grad assigned at exactly the address and size of the grad before it, then
     ``group["params"] = list(group["params"])``: re-planned (a copy-back launch), equal to
     torch, the memory between the gapped grad's elements included."""
-    def run(scaler):
-        torch.manual_seed(0)
-        memory = [torch.zeros(20), torch.zeros(700), torch.zeros(80)]
-        params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 300, 33)]
-        opt = torch.optim.SGD(params, lr=0.1)
-        for step in range(4):
-            for p, m in zip(params, memory):
-                m.fill_(1.0)
-                p.grad = m[: p.numel()].zero_()
-            if step >= 2:
-                params[1].grad = memory[1][:600:2].zero_()
-            if step == 2:
-                opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
-            scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(params))).backward()
-            scaler.step(opt)
-            scaler.update()
-        return scaler.get_scale(), [p.detach().clone() for p in params] + memory
+    def gapped(step, params, memory, opt):
+        if step >= 2:
+            params[1].grad = memory[1][:600:2].zero_()
+        if step == 2:
+            opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
 
-    _assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
+    _assert_matches_torch(lambda scaler: _train_in_fixed_memory(scaler, gapped, steps=4),
+                          backend, init_scale=8.0, growth_interval=1)
