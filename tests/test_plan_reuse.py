@@ -1,7 +1,8 @@
 """Issue 15: the address-keyed launch plans of the no-bucket path stay exact when the
 parameters or their grads' memory change: parameters swapped into ``param_groups``, converted
-or resized in place, grads cycling through memory layouts, empty grads first. Each run
-against torch's scaler (which reads every ``.grad`` each step)."""
+or resized in place (also with new grads at the old grads' addresses), grads cycling through
+memory layouts, empty grads first. Each run against torch's scaler (which reads every
+``.grad`` each step)."""
 
 from collections import Counter
 
@@ -158,10 +159,10 @@ def _train_in_fixed_memory(scaler, before_backward, steps=5):
     for step in range(steps):
         for p, m in zip(params, memory):
             m.fill_(1.0)
-            p.grad = m[: p.numel()].zero_()
+            p.grad = m.view(p.dtype)[: p.numel()].zero_()
         before_backward(step, params, memory, opt)
         scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(params))).backward()
-        if step == 3 and params[1].numel() > 300:  # the grown grad's last element
+        if step == 3 and params[1].numel() >= 300:  # the grown or converted grad's last element
             params[1].grad[-1] = float("inf")
         scaler.step(opt)
         scaler.update()
@@ -169,24 +170,27 @@ def _train_in_fixed_memory(scaler, before_backward, steps=5):
 
 
 @pytest.mark.parametrize("new_list", [False, True], ids=["same_list", "new_list"])
-@pytest.mark.parametrize("new_size", [350, 250], ids=["grown", "shrunk"])
-def test_parameter_resized_in_place(backend, new_size, new_list):
-    """A parameter resized in place (``param.data = ...``) whose new grad starts at its old
-    grad's address, with or without a new ``group["params"]`` list: re-planned through the
-    grads' sizes, equal to torch. Grown: an inf in the grown grad's last element (a stale plan
-    misses it). Shrunk: an inf just past the shrunk grad's end (a stale plan sees it and
-    writes there); the memory around the grads must also be what torch leaves."""
-    def resize(step, params, memory, opt):
+@pytest.mark.parametrize("new_size, dtype", [(350, torch.float32), (250, torch.float32),
+                                             (300, torch.bfloat16)],
+                         ids=["grown", "shrunk", "to_bf16"])
+def test_parameter_changed_in_place(backend, new_size, dtype, new_list):
+    """A parameter (not its group's first) resized or converted in place (``param.data =
+    ...``) whose new grad starts at its old grad's address, with or without a new
+    ``group["params"]`` list: re-planned through the grads' sizes and dtypes, equal to torch.
+    Grown or converted: an inf in the grad's last element (a stale plan misses it, or reads
+    the bf16 grad as float32). Shrunk: an inf just past the shrunk grad's end (a stale plan
+    sees it and writes there); the memory around the grads must also be what torch leaves."""
+    def change(step, params, memory, opt):
         if step == 2:
-            params[1].data = torch.randn(new_size)  # its grad still starts where it did
-            params[1].grad = memory[1][:new_size].zero_()
+            params[1].data = torch.randn(new_size, dtype=dtype)  # its grad starts where it did
+            params[1].grad = memory[1].view(dtype)[:new_size].zero_()
             if new_list:
                 group = opt.param_groups[0]
                 group["params"] = list(group["params"])
         if step == 3 and new_size < 300:
             memory[1][new_size] = float("inf")
 
-    _assert_matches_torch(lambda scaler: _train_in_fixed_memory(scaler, resize), backend,
+    _assert_matches_torch(lambda scaler: _train_in_fixed_memory(scaler, change), backend,
                           init_scale=8.0, growth_interval=1)
 
 

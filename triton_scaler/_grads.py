@@ -3,9 +3,9 @@
 The grouping is cached per optimizer and checked, each step, against the optimizer's live
 parameter objects (one identity pass; none when GradBuckets hold every parameter). A step
 whose grads are those of the last step, or new grads at the same addresses and of the same
-sizes, costs: nothing per parameter when GradBuckets hold every grad; otherwise one C-level
-pass reading the grads, one reading their addresses and one their sizes, then the last step's
-launch plans (no hashing, no table).
+sizes and dtypes, costs: nothing per parameter when GradBuckets hold every grad; otherwise one
+C-level pass reading the grads and one each reading their addresses, sizes and dtypes, then
+the last step's launch plans (no hashing, no table).
 Grads back at the addresses of one of the last few steps (an allocator whose blocks cycle)
 add one hash of the addresses.
 """
@@ -97,9 +97,9 @@ class _Layout:
                              for (device, dtype), indices in by_key.items()]
         self.has_fp16 = any(dtype == torch.float16 for _, dtype in by_key)
         # the grads' addresses -> (the scaler's backend, each plain group's launch plan
-        # without its grads, the grads' sizes), for the last address layouts where every
-        # group had a reusable Triton plan; ``last`` is the newest (key, value), compared
-        # without hashing. No grad is held, so zero_grad(set_to_none=True) frees them.
+        # without its grads, the grads' sizes, their dtypes), for the last address layouts
+        # where every group had a reusable Triton plan; ``last`` is the newest (key, value),
+        # compared without hashing. No grad is held: zero_grad(set_to_none=True) frees them.
         self.plans: OrderedDict[tuple[int, ...], tuple] = OrderedDict()
         self.last: tuple | None = None
 
@@ -175,34 +175,34 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
     per-grad path) when a grad is None, sparse, not a plain tensor, or not of its parameter's
     dtype and device as the layout knows them.
 
-    Grads at the addresses and with the sizes of the last step (or of one of the last
-    ``_PLAN_CACHE_SIZE`` layouts) reuse that layout's launch plans: one pass reading the grads,
-    one reading their addresses and one their sizes. Same parameter objects, same memory, same
-    sizes: torch keeps a grad's dtype, size and device its parameter's; a parameter resized in
-    place (``param.data = ...``) is caught through the sizes, one converted in place
-    (``module.half()``) through each group's launch base (its first non-empty grad). Not
-    caught: a gapped grad assigned by the user (``p.grad = m[::2]``) at the address and with
-    the size of the grad before it (README; a new ``group["params"]`` list re-plans)."""
+    Grads at the addresses and with the sizes and dtypes of the last step (or of one of the
+    last ``_PLAN_CACHE_SIZE`` layouts) reuse that layout's launch plans: one pass reading the
+    grads, then one each reading their addresses, sizes and dtypes. A parameter resized or
+    converted in place (``param.data = ...``, ``module.half()``) whose new grad lands at its
+    old grad's address is caught through the sizes and dtypes; one moved to another device
+    through its address (each device has its own address range). Not caught: a gapped grad
+    assigned by the user (``p.grad = m[::2]``) at the address and with the size of the grad
+    before it (README; a new ``group["params"]`` list re-plans)."""
     grads = list(map(_GRAD, layout.outside))
     try:
         addresses = tuple(map(_DATA_PTR, grads))
     except (TypeError, RuntimeError):  # a None grad (no data_ptr), a sparse one
         return None
-    numels = tuple(map(_NUMEL, grads))
+    numels, dtypes = tuple(map(_NUMEL, grads)), tuple(map(_DTYPE, grads))
     last = layout.last  # the last step's layout: tuple comparisons, no hash
     entry = last[1] if last is not None and last[0] == addresses else \
         _earlier_plans(layout, addresses)
-    if entry is not None and entry[0] == backend and entry[2] == numels:
+    if entry is not None and entry[0] == backend and entry[2] == numels and entry[3] == dtypes:
         groups = []
-        for (device, dtype, pick), template in zip(layout.plain_groups, entry[1]):
+        for (device, _, pick), template in zip(layout.plain_groups, entry[1]):
             members = pick(grads)
             base = members[template.base_index]  # its first non-empty grad
-            if base.dtype != dtype or base.device != device:
+            if base.device != device:
                 break
             groups.append(GradGroup(device, members, plan=template.rebased(base)))
         else:
             return groups
-    return _groups_planned(layout, backend, grads, addresses, numels)
+    return _groups_planned(layout, backend, grads, addresses, numels, dtypes)
 
 
 def _earlier_plans(layout: _Layout, addresses: tuple[int, ...]) -> tuple | None:
@@ -216,8 +216,8 @@ def _earlier_plans(layout: _Layout, addresses: tuple[int, ...]) -> tuple | None:
 
 
 def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
-                    addresses: tuple[int, ...], numels: tuple[int, ...]
-                    ) -> list[GradGroup] | None:
+                    addresses: tuple[int, ...], numels: tuple[int, ...],
+                    dtypes: tuple[torch.dtype, ...]) -> list[GradGroup] | None:
     """New launch plans (a chunk table each) after checking every grad's type, dtype,
     device and size; stored for the next step's :func:`_groups_fast`."""
     if set(map(type, grads)) != {torch.Tensor}:
@@ -227,7 +227,7 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
         members = pick(grads)
         # each grad's dtype and device index, then the device itself through the first grad
         # (torch.device objects cost an allocation per grad)
-        if dtype not in ops.FLOAT_DTYPES or set(map(_DTYPE, members)) != {dtype} or \
+        if dtype not in ops.FLOAT_DTYPES or set(pick(dtypes)) != {dtype} or \
                 set(map(_DEVICE_INDEX, members)) != {_index(device)} or \
                 members[0].device != device:
             layout.signature = None  # parameters converted in place: rebuild next step
@@ -238,7 +238,7 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
             templates.append(plan.template() if plan.reusable else None)
         groups.append(group)
     if len(templates) == len(groups) and None not in templates:  # reusable: stored
-        entry = layout.plans[addresses] = (backend, templates, numels)
+        entry = layout.plans[addresses] = (backend, templates, numels, dtypes)
         layout.plans.move_to_end(addresses)
         layout.last = (addresses, entry)
         if len(layout.plans) > _PLAN_CACHE_SIZE:
