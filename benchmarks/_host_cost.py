@@ -13,13 +13,15 @@ launches it issues. Here both scalers run on CPU tensors with their device work 
 Every other tensor op the scaler issues still runs (it is host work too) and is counted by a
 dispatch mode in a separate, untimed step: ``kernels`` + ``other_ops`` = device launches per
 step (the optimizer's profiling records excluded). See ``GRAD_MODES`` for how the grads change
-between steps.
+between steps and ``HOST_LAYOUTS`` for where their data lies.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
+import itertools
 import statistics
 import subprocess
 import sys
@@ -109,18 +111,48 @@ class _NoStepFused(_NoStep):
 #: ``new_memory``: new grad tensors at new addresses (the worst case: every cache misses).
 GRAD_MODES = ("same", "new_tensors", "alternating", "new_memory")
 
+#: Where the parameters' and grads' data lie on the CPU (not used on a GPU):
+#: ``heap``: each tensor's data allocated on its own (torch's CPU allocator), so at ~4k
+#: elements the tensors' host metadata (Python objects, TensorImpls, storages) lies ~16 KB
+#: apart, between the data, and every per-tensor read misses the CPU caches and the TLB;
+#: ``dense``: each set of tensors over one buffer outside the heap (``torch.frombuffer``:
+#: still one storage and one TensorImpl per tensor), so their metadata lies together, as on
+#: a GPU, whose tensors keep only metadata in the host heap. Not with ``new_memory`` (the
+#: buffers' addresses come back within a few steps: not new memory).
+HOST_LAYOUTS = ("heap", "dense")
+
+
+def _tensors(sizes: list[int], host_layout: str) -> list[torch.Tensor]:
+    """Zeroed float32 CPU tensors of ``sizes``, laid out as ``host_layout`` says (``dense``:
+    one new buffer per call)."""
+    if host_layout == "heap":
+        return [torch.zeros(n) for n in sizes]
+    if host_layout != "dense":
+        raise ValueError(f"host_layout must be one of {HOST_LAYOUTS}, got {host_layout!r}")
+    stride = [-(-4 * n // 64) * 64 for n in sizes]  # 64-byte aligned, as an allocator's blocks
+    buffer = bytearray(sum(stride))
+    offsets = [0, *itertools.accumulate(stride)][:-1]
+    return [torch.frombuffer(buffer, dtype=torch.float32, count=n, offset=o) if n else
+            torch.zeros(0) for n, o in zip(sizes, offsets)]
+
 
 def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = False,
-              grads: str = "same", device: str = "cpu"):
+              grads: str = "same", device: str = "cpu", host_layout: str = "heap"):
     """(prepare, step): ``step()`` is the timed ``scale -> unscale_ -> step -> update``;
     ``prepare()`` (untimed) renews the grads as ``grads`` says. One real backward first
-    writes every grad through autograd (GradBuckets' hooks fire). ``device="cuda"``: real
-    launches (the GPU run of this benchmark)."""
+    writes every grad through autograd (GradBuckets' hooks fire); with ``host_layout="dense"``
+    the grads outside buckets are then moved to one buffer (``HOST_LAYOUTS``).
+    ``device="cuda"``: real launches (the GPU run of this benchmark)."""
     from triton_scaler import GradBuckets, GradScaler
 
+    if host_layout != "heap" and (device != "cpu" or grads == "new_memory"):
+        raise ValueError(f"host_layout={host_layout!r} is for CPU tensors at fixed memory; "
+                         f"device={device!r}, grads={grads!r} take 'heap'")
     torch.manual_seed(0)
     sizes = torch.randint(NUMEL // 2, 3 * NUMEL // 2, (n_params,)).tolist()  # ~4k, mostly odd
-    params = [torch.nn.Parameter(torch.zeros(n, device=device)) for n in sizes]
+    params = [torch.nn.Parameter(t) for t in
+              (_tensors(sizes, host_layout) if device == "cpu" else
+               [torch.zeros(n, device=device) for n in sizes])]
     opt = (_NoStepFused if fused else _NoStep)(params, lr=0.0)
     opt.step = _no_step  # the instance's own: no torch wrapper (profiling hooks) around it
     if buckets:
@@ -130,7 +162,13 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
               else GradScaler(kind, backend="triton"))
     loss = torch.ones((), device=device)
     torch.stack([p[:1] for p in params]).sum().backward()
-    spare = [p.grad.clone() for p in params] if grads == "alternating" else []
+    if host_layout == "dense" and not buckets:
+        for p, g in zip(params, _tensors(sizes, host_layout)):
+            p.grad = g
+    spare = []  # alternating: the second set of grad memory
+    if grads == "alternating":
+        spare = _tensors(sizes, host_layout) if host_layout == "dense" else \
+            [p.grad.clone() for p in params]
 
     def prepare() -> None:
         if grads == "alternating":
@@ -178,13 +216,15 @@ def _counted(impl: str, n_params: int, **flags) -> dict:
 
 
 def measure_pair(n_params: int, ours: dict, torch_flags: dict, repeats: int = 30,
-                 cold: bool = False, device: str = "cpu") -> dict:
+                 cold: bool = False, device: str = "cpu", host_layout: str = "heap") -> dict:
     """Both scalers built side by side and timed in the same process, so that both see the
     same machine state: median seconds per step of each and the median of the per-step
     ratios ours / torch. ``cold=False``: each scaler's steps back to back (warm CPU caches),
     in alternating blocks; ``cold=True``: a 64 MB pass evicts the CPU caches before every
     step (as a training step's forward and backward do), the two scalers alternating.
-    ``device="cuda"``: real launches on the GPU, no launch counts."""
+    ``device="cuda"``: real launches on the GPU, no launch counts. ``host_layout``: see
+    ``HOST_LAYOUTS``."""
+    ours, torch_flags = ({**flags, "host_layout": host_layout} for flags in (ours, torch_flags))
     with noop_launches() if device == "cpu" else contextlib.nullcontext():
         pairs = [make_step("ours", n_params, device=device, **ours),
                  make_step("torch", n_params, device=device, **torch_flags)]
@@ -247,11 +287,11 @@ def label(impl: str, flags: dict) -> str:
     return f"{name}, {route}" + ("" if flags.get("buckets") else f", grads {flags.get('grads', 'same')}")
 
 
-def row(n: int, index: int) -> str:
+def row(n: int, index: int, host_layout: str = "heap") -> str:
     """One table row: PAIRS[index] at ``n`` parameters, warm and cold."""
     label, ours, theirs = PAIRS[index]
-    w = measure_pair(n, ours, theirs)
-    c = measure_pair(n, ours, theirs, cold=True)
+    w = measure_pair(n, ours, theirs, host_layout=host_layout)
+    c = measure_pair(n, ours, theirs, cold=True, host_layout=host_layout)
     oc, tc = w["ours_counts"], w["torch_counts"]
     return (f"| {n} | {label} | {w['ours'] * 1e6:.0f} | {w['torch'] * 1e6:.0f} | "
             f"{w['ratio']:.2f} | {c['ours'] * 1e6:.0f} | {c['torch'] * 1e6:.0f} | "
@@ -259,24 +299,35 @@ def row(n: int, index: int) -> str:
             f"{tc['kernels']} + {tc['other_ops']} |")
 
 
-def main(sizes: tuple[int, ...] = (100, 1000, 10000)) -> None:
+def main(sizes: tuple[int, ...], host_layout: str) -> None:
     """The table; each row in a fresh process, so that no row inherits the heap of the
     rows before it (10,000 parameters allocate and free ~320 MB per row)."""
     print(f"host time per step (scale+unscale_+step+update), no-op launches, torch "
-          f"{torch.__version__}; medians of 30 steps; warm: steps back to back, cold: CPU "
-          f"caches evicted before each step; one process per row")
+          f"{torch.__version__}, host layout {host_layout}; medians of 30 steps; warm: steps "
+          f"back to back, cold: CPU caches evicted before each step; one process per row")
     print("| params | case | ours warm us | torch warm us | ratio warm | ours cold us "
           "| torch cold us | ratio cold | ours kernels + other ops | torch kernels + other ops "
           "|\n|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
-        for index in range(len(PAIRS)):
-            done = subprocess.run([sys.executable, __file__, "--row", str(n), str(index)],
+        for index, (_, ours, _) in enumerate(PAIRS):
+            if host_layout != "heap" and ours.get("grads") == "new_memory":
+                continue
+            done = subprocess.run([sys.executable, __file__, "--host-layout", host_layout,
+                                   "--row", str(n), str(index)],
                                   capture_output=True, text=True, check=True)
             print(done.stdout.strip(), flush=True)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--row"]:
-        print(row(int(sys.argv[2]), int(sys.argv[3])))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("sizes", nargs="*", type=int, default=[100, 1000, 10000],
+                        help="parameter counts, one table block each")
+    parser.add_argument("--host-layout", choices=HOST_LAYOUTS, default="heap",
+                        help="where the tensors' data lie on the CPU (HOST_LAYOUTS)")
+    parser.add_argument("--row", nargs=2, type=int, metavar=("N", "INDEX"),
+                        help="one row alone: PAIRS[INDEX] at N parameters")
+    args = parser.parse_args()
+    if args.row:
+        print(row(*args.row, host_layout=args.host_layout))
     else:
-        main(tuple(int(a) for a in sys.argv[1:]) or (100, 1000, 10000))
+        main(tuple(args.sizes), args.host_layout)

@@ -16,16 +16,40 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def load(path: Path) -> tuple[dict, dict]:
+def load(path: Path) -> tuple[dict, dict, dict]:
+    """(kernel rows, host-cost rows, machine info) of a pytest-benchmark JSON."""
     data = json.loads(path.read_text())
     rows: dict = defaultdict(dict)
+    host: dict = {}  # (n_params, host layout, impl label) -> median seconds, kernels
     for bench in data["benchmarks"]:
         info = bench["extra_info"]
+        if info["case"] == "host":  # test_bench_host.py: a step's host time, no bytes
+            key = (info["n_params"], info.get("host_layout", "heap"), info["impl"])
+            host[key] = {"median": bench["stats"]["median"], "kernels": info["kernels"]}
+            continue
         key = (info["case"], info["dtype"], info["n_tensors"], info["numel"],
                info.get("fused", ""))
         rows[key][info["impl"]] = {"median": bench["stats"]["median"], "bytes": info["bytes"],
                                    "host_syncs": info.get("host_syncs")}
-    return rows, data.get("machine_info", {})
+    return rows, host, data.get("machine_info", {})
+
+
+def host_table(host: dict) -> str:
+    """The host-cost rows (``_host_cost.PAIRS``: ours against torch's nearest case), each
+    scaler timed in its own test of the same session."""
+    from _host_cost import PAIRS, label
+
+    lines = ["| params | case | host layout | ours us | torch us | ours / torch | ours kernels |",
+             "|---|---|---|---|---|---|---|"]
+    for n, layout in sorted({k[:2] for k in host}):
+        for name, ours, theirs in PAIRS:
+            mine, torch_row = host.get((n, layout, label("ours", ours))), \
+                host.get((n, layout, label("torch", theirs)))
+            if mine and torch_row:
+                lines.append(f"| {n} | {name} | {layout} | {mine['median'] * 1e6:.0f} | "
+                             f"{torch_row['median'] * 1e6:.0f} | "
+                             f"{mine['median'] / torch_row['median']:.2f} | {mine['kernels']} |")
+    return "\n".join(lines) + "\n"
 
 
 def _gbps(entry):
@@ -125,9 +149,12 @@ def main() -> None:
     parser.add_argument("json", type=Path)
     parser.add_argument("--label", required=True)
     args = parser.parse_args()
-    rows, machine = load(args.json)
+    rows, host, machine = load(args.json)
     out = args.json.parent
-    (out / f"{args.label}_tables.md").write_text(tables(rows))
+    text = tables(rows)
+    if host:
+        text += "\nHost time per step, no-op launches (test_bench_host.py):\n\n" + host_table(host)
+    (out / f"{args.label}_tables.md").write_text(text)
     for path in plots(rows, out, args.label):
         print(path)
     print(out / f"{args.label}_tables.md")

@@ -1,6 +1,7 @@
 """Host cost of a scaler step (scale -> unscale_ -> step -> update) with every device launch
 a counting no-op: triton_scaler against torch.amp.GradScaler at 100 / 1,000 / 10,000
-parameters, with and without GradBuckets; launches per step recorded (see _host_cost.py).
+parameters, with and without GradBuckets, in both CPU host layouts of the tensors' data
+(``HOST_LAYOUTS``); launches per step recorded (see _host_cost.py).
 
 Runs on CPU (no GPU needed): the host path is the same Python either way. The table in
 RESULTS.md comes from ``python benchmarks/_host_cost.py``, which times both scalers
@@ -8,23 +9,27 @@ alternately in one process (here each case is its own test)."""
 
 import pytest
 from _bench_common import FULL
-from _host_cost import CASES, label, make_step, noop_launches
+from _host_cost import CASES, HOST_LAYOUTS, label, make_step, noop_launches
 
 SIZES = [100, 1000, 10000] if FULL else [100, 1000]
+#: every case in each layout (new memory only in the heap: see HOST_LAYOUTS)
+LAID_OUT = [(impl, flags, layout) for impl, flags in CASES for layout in HOST_LAYOUTS
+            if layout == "heap" or flags.get("grads") != "new_memory"]
 
 
 @pytest.mark.parametrize("n_params", SIZES)
-@pytest.mark.parametrize("impl, flags", CASES, ids=[label(i, f) for i, f in CASES])
-def test_host_cost(benchmark, n_params, impl, flags):
+@pytest.mark.parametrize("impl, flags, host_layout", LAID_OUT,
+                         ids=[f"{label(i, f)}, {h}" for i, f, h in LAID_OUT])
+def test_host_cost(benchmark, n_params, impl, flags, host_layout):
     with noop_launches() as counts:
-        prepare, step = make_step(impl, n_params, **flags)
+        prepare, step = make_step(impl, n_params, host_layout=host_layout, **flags)
         step()
         prepare()
         counts.clear()
         step()
         launches = sum(counts.values())
         benchmark.extra_info.update(case="host", n_params=n_params, impl=label(impl, flags),
-                                    kernels=launches)
+                                    host_layout=host_layout, kernels=launches)
 
         benchmark.pedantic(step, setup=prepare, rounds=1 if not benchmark.enabled else 21,
                            warmup_rounds=0)

@@ -1,0 +1,48 @@
+"""benchmarks/plot.py on a suite JSON as ``run_cpu.sh`` / ``run_gpu.sh`` save it: kernel rows
+(bytes, GB/s) and the host-cost rows of test_bench_host.py (no bytes), which get their own
+table (the script stopped at the first host row before)."""
+
+import importlib.util
+import json
+
+import pytest
+from plot import host_table, load, plots, tables
+
+
+def _bench(median: float, **info) -> dict:
+    return {"stats": {"median": median}, "extra_info": info}
+
+
+def _suite(path) -> None:
+    kernel = {"case": "bucket", "dtype": "fp32", "n_tensors": 1, "numel": 1024, "bytes": 8192}
+    many = {**kernel, "case": "many", "n_tensors": 4}
+    host = {"case": "host", "n_params": 100, "kernels": 2}
+    path.write_text(json.dumps({"machine_info": {}, "benchmarks": [
+        _bench(2e-6, impl="torch", **kernel), _bench(1e-6, impl="ours", **kernel),
+        _bench(4e-6, impl="ours", **many),
+        _bench(70e-6, impl="torch, plain, grads same", host_layout="heap", **host),
+        _bench(35e-6, impl="ours, plain, grads same", host_layout="heap", **host),
+        _bench(20e-6, impl="ours+buckets, plain", host_layout="dense", **host),
+        _bench(80e-6, impl="torch, plain, grads same", host_layout="dense", **host)]}))
+
+
+def test_kernel_and_host_rows(tmp_path):
+    path = tmp_path / "suite.json"
+    _suite(path)
+    rows, host, _ = load(path)
+    assert list(rows) == [("bucket", "fp32", 1, 1024, ""), ("many", "fp32", 4, 1024, "")]
+    assert "| bucket | fp32 | 1 x 1024 | ours | 1.0 us | 8.2 | 2.00 |" in tables(rows)
+    table = host_table(host)
+    assert "| 100 | plain, grads same | heap | 35 | 70 | 0.50 | 2 |" in table
+    assert "| 100 | plain, GradBuckets (torch: grads same) | dense | 20 | 80 | 0.25 | 2 |" in table
+    assert len(table.splitlines()) == 4  # header, rule, the two pairs with both scalers
+
+
+def test_plots_beside_host_rows(tmp_path):
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib not installed: the plots are drawn where it is")
+    path = tmp_path / "suite.json"
+    _suite(path)
+    rows, _, _ = load(path)
+    assert [p.name for p in plots(rows, tmp_path, "t")] == ["t_bucket.png", "t_many.png",
+                                                            "t_ratio.png"]
