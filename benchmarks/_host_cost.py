@@ -114,7 +114,7 @@ GRAD_MODES = ("same", "new_tensors", "alternating", "new_memory")
 #: Where the parameters' and grads' data lie on the CPU (not used on a GPU):
 #: ``heap``: each tensor's data allocated on its own (torch's CPU allocator), so at ~4k
 #: elements the tensors' host metadata (Python objects, TensorImpls, storages) lies ~16 KB
-#: apart, between the data, and every per-tensor read misses the CPU caches and the TLB;
+#: apart, between the data;
 #: ``dense``: each set of tensors over one buffer outside the heap (``torch.frombuffer``:
 #: still one storage and one TensorImpl per tensor), so their metadata lies together, as on
 #: a GPU, whose tensors keep only metadata in the host heap. Not with ``new_memory`` (the
@@ -122,18 +122,18 @@ GRAD_MODES = ("same", "new_tensors", "alternating", "new_memory")
 HOST_LAYOUTS = ("heap", "dense")
 
 
-def _tensors(sizes: list[int], host_layout: str) -> list[torch.Tensor]:
-    """Zeroed float32 CPU tensors of ``sizes``, laid out as ``host_layout`` says (``dense``:
-    one new buffer per call)."""
+def _tensors(sizes: list[int], host_layout: str, device: str = "cpu") -> list[torch.Tensor]:
+    """Zeroed float32 tensors of ``sizes`` (non-empty), laid out as ``host_layout`` says
+    (``dense``: CPU only, one new buffer per call)."""
     if host_layout == "heap":
-        return [torch.zeros(n) for n in sizes]
+        return [torch.zeros(n, device=device) for n in sizes]
     if host_layout != "dense":
         raise ValueError(f"host_layout must be one of {HOST_LAYOUTS}, got {host_layout!r}")
     stride = [-(-4 * n // 64) * 64 for n in sizes]  # 64-byte aligned, as an allocator's blocks
     buffer = bytearray(sum(stride))
     offsets = [0, *itertools.accumulate(stride)][:-1]
-    return [torch.frombuffer(buffer, dtype=torch.float32, count=n, offset=o) if n else
-            torch.zeros(0) for n, o in zip(sizes, offsets)]
+    return [torch.frombuffer(buffer, dtype=torch.float32, count=n, offset=o)
+            for n, o in zip(sizes, offsets)]
 
 
 def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = False,
@@ -150,9 +150,7 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
                          f"device={device!r}, grads={grads!r} take 'heap'")
     torch.manual_seed(0)
     sizes = torch.randint(NUMEL // 2, 3 * NUMEL // 2, (n_params,)).tolist()  # ~4k, mostly odd
-    params = [torch.nn.Parameter(t) for t in
-              (_tensors(sizes, host_layout) if device == "cpu" else
-               [torch.zeros(n, device=device) for n in sizes])]
+    params = [torch.nn.Parameter(t) for t in _tensors(sizes, host_layout, device)]
     opt = (_NoStepFused if fused else _NoStep)(params, lr=0.0)
     opt.step = _no_step  # the instance's own: no torch wrapper (profiling hooks) around it
     if buckets:
