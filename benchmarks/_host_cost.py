@@ -122,6 +122,12 @@ GRAD_MODES = ("same", "new_tensors", "alternating", "new_memory")
 HOST_LAYOUTS = ("heap", "dense")
 
 
+def layout_applies(host_layout: str, grads: str = "same", device: str = "cpu") -> bool:
+    """Whether ``host_layout`` can lay out tensors on ``device`` renewed as ``grads`` says:
+    ``heap`` always, ``dense`` for CPU tensors at fixed memory (``HOST_LAYOUTS``)."""
+    return host_layout == "heap" or (device == "cpu" and grads != "new_memory")
+
+
 def _tensors(sizes: list[int], host_layout: str, device: str = "cpu") -> list[torch.Tensor]:
     """Zeroed float32 tensors of ``sizes`` (non-empty), laid out as ``host_layout`` says
     (``dense``: CPU only, one new buffer per call)."""
@@ -145,7 +151,7 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
     ``device="cuda"``: real launches (the GPU run of this benchmark)."""
     from triton_scaler import GradBuckets, GradScaler
 
-    if host_layout != "heap" and (device != "cpu" or grads == "new_memory"):
+    if not layout_applies(host_layout, grads, device):
         raise ValueError(f"host_layout={host_layout!r} is for CPU tensors at fixed memory; "
                          f"device={device!r}, grads={grads!r} take 'heap'")
     torch.manual_seed(0)
@@ -308,7 +314,7 @@ def main(sizes: tuple[int, ...], host_layout: str) -> None:
           "|\n|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
         for index, (_, ours, _) in enumerate(PAIRS):
-            if host_layout != "heap" and ours.get("grads") == "new_memory":
+            if not layout_applies(host_layout, ours.get("grads", "same")):
                 continue
             done = subprocess.run([sys.executable, __file__, "--host-layout", host_layout,
                                    "--row", str(n), str(index)],
