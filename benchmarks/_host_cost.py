@@ -117,15 +117,18 @@ GRAD_MODES = ("same", "new_tensors", "alternating", "new_memory")
 #: apart, between the data;
 #: ``dense``: each set of tensors over one buffer outside the heap (``torch.frombuffer``:
 #: still one storage and one TensorImpl per tensor), so their metadata lies together, as on
-#: a GPU, whose tensors keep only metadata in the host heap. Not with ``new_memory`` (the
-#: buffers' addresses come back within a few steps: not new memory).
+#: a GPU, whose tensors keep only metadata in the host heap. There ``new_memory`` makes new
+#: tensors over the grads' buffer shifted by 64 bytes more each step, over ``_SHIFTS``
+#: addresses (more than triton_scaler keeps chunk tables for: every step misses).
 HOST_LAYOUTS = ("heap", "dense")
+
+_SHIFTS = 40  # dense new_memory's address cycle: more than kernels.plan's 32 cached tables
 
 
 def layout_applies(host_layout: str, grads: str = "same", device: str = "cpu") -> bool:
     """Whether ``host_layout`` can lay out tensors on ``device`` renewed as ``grads`` says:
-    ``heap`` always, ``dense`` for CPU tensors at fixed memory (``HOST_LAYOUTS``)."""
-    return host_layout == "heap" or (device == "cpu" and grads != "new_memory")
+    ``heap`` always, ``dense`` for CPU tensors (``HOST_LAYOUTS``)."""
+    return host_layout == "heap" or device == "cpu"
 
 
 def _tensors(sizes: list[int], host_layout: str, device: str = "cpu") -> list[torch.Tensor]:
@@ -135,9 +138,22 @@ def _tensors(sizes: list[int], host_layout: str, device: str = "cpu") -> list[to
         return [torch.zeros(n, device=device) for n in sizes]
     if host_layout != "dense":
         raise ValueError(f"host_layout must be one of {HOST_LAYOUTS}, got {host_layout!r}")
-    stride = [-(-4 * n // 64) * 64 for n in sizes]  # 64-byte aligned, as an allocator's blocks
-    buffer = bytearray(sum(stride))
-    offsets = [0, *itertools.accumulate(stride)][:-1]
+    return _dense_views(sizes, _dense_buffer(sizes), 0)
+
+
+def _dense_buffer(sizes: list[int]) -> bytearray:
+    """Room for ``dense`` tensors of ``sizes`` from any of the ``_SHIFTS`` shifts."""
+    return bytearray(sum(_dense_bytes(sizes)) + 64 * _SHIFTS)
+
+
+def _dense_bytes(sizes: list[int]) -> list[int]:
+    """Each tensor's bytes in a ``dense`` buffer: 64-byte aligned, as an allocator's blocks."""
+    return [-(-4 * n // 64) * 64 for n in sizes]
+
+
+def _dense_views(sizes: list[int], buffer: bytearray, shift: int) -> list[torch.Tensor]:
+    """New float32 tensors of ``sizes`` one after another in ``buffer``, from byte ``shift``."""
+    offsets = itertools.accumulate(_dense_bytes(sizes)[:-1], initial=shift)
     return [torch.frombuffer(buffer, dtype=torch.float32, count=n, offset=o)
             for n, o in zip(sizes, offsets)]
 
@@ -152,7 +168,7 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
     from triton_scaler import GradBuckets, GradScaler
 
     if not layout_applies(host_layout, grads, device):
-        raise ValueError(f"host_layout={host_layout!r} is for CPU tensors at fixed memory; "
+        raise ValueError(f"host_layout={host_layout!r} is for CPU tensors; "
                          f"device={device!r}, grads={grads!r} take 'heap'")
     torch.manual_seed(0)
     sizes = torch.randint(NUMEL // 2, 3 * NUMEL // 2, (n_params,)).tolist()  # ~4k, mostly odd
@@ -166,9 +182,11 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
               else GradScaler(kind, backend="triton"))
     loss = torch.ones((), device=device)
     torch.stack([p[:1] for p in params]).sum().backward()
-    if host_layout == "dense" and not buckets:
-        for p, g in zip(params, _tensors(sizes, host_layout)):
+    grad_buffer = _dense_buffer(sizes) if host_layout == "dense" else None
+    if grad_buffer is not None and not buckets:
+        for p, g in zip(params, _dense_views(sizes, grad_buffer, 0)):
             p.grad = g
+    shift = itertools.count(1)  # dense new_memory: the next step's shift, in 64 bytes
     spare = []  # alternating: the second set of grad memory
     if grads == "alternating":
         spare = _tensors(sizes, host_layout) if host_layout == "dense" else \
@@ -183,6 +201,10 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
         elif grads == "new_tensors":
             for p in params:
                 p.grad = p.grad.detach()  # a new tensor over the same memory
+        elif grads == "new_memory" and grad_buffer is not None:
+            new = _dense_views(sizes, grad_buffer, 64 * (next(shift) % _SHIFTS))
+            for p, g in zip(params, new):
+                p.grad = g
         elif grads == "new_memory":
             for p in params:
                 p.grad = p.grad.clone()

@@ -12,7 +12,7 @@ from _bench_common import FULL
 from _host_cost import CASES, HOST_LAYOUTS, label, layout_applies, make_step, noop_launches
 
 SIZES = [100, 1000, 10000] if FULL else [100, 1000]
-#: every case in each layout (new memory only in the heap: see HOST_LAYOUTS)
+#: every case in each layout (HOST_LAYOUTS)
 LAID_OUT = [(impl, flags, layout) for impl, flags in CASES for layout in HOST_LAYOUTS
             if layout_applies(layout, flags.get("grads", "same"))]
 
@@ -35,3 +35,19 @@ def test_host_cost(benchmark, n_params, impl, flags, host_layout):
                            warmup_rounds=0)
     # the scaler's own kernels per step: one unscale (or check) per group, one update
     assert launches == 2, counts
+
+
+def test_dense_new_memory_misses_every_step(monkeypatch):
+    """``dense`` new memory is new to triton_scaler's caches every step, its chunk table too
+    (built through ``_without_aliases`` on a miss only), also once the shifts come round."""
+    from _host_cost import _SHIFTS
+    from triton_scaler.kernels import plan
+
+    built = []
+    monkeypatch.setattr(plan, "_without_aliases", lambda *args: built.append(1) or args)
+    with noop_launches():
+        prepare, step = make_step("ours", 10, grads="new_memory", host_layout="dense")
+        for _ in range(_SHIFTS + 5):
+            prepare()
+            step()
+    assert len(built) == _SHIFTS + 5
