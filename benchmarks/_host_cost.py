@@ -125,12 +125,6 @@ HOST_LAYOUTS = ("heap", "dense")
 _SHIFTS = 40  # dense new_memory's address cycle: more than kernels.plan's 32 cached tables
 
 
-def layout_applies(host_layout: str, grads: str = "same", device: str = "cpu") -> bool:
-    """Whether ``host_layout`` can lay out tensors on ``device`` renewed as ``grads`` says:
-    ``heap`` always, ``dense`` for CPU tensors (``HOST_LAYOUTS``)."""
-    return host_layout == "heap" or device == "cpu"
-
-
 def _tensors(sizes: list[int], host_layout: str, device: str = "cpu") -> list[torch.Tensor]:
     """Zeroed float32 tensors of ``sizes`` (non-empty), laid out as ``host_layout`` says
     (``dense``: CPU only, one new buffer per call)."""
@@ -167,9 +161,9 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
     ``device="cuda"``: real launches (the GPU run of this benchmark)."""
     from triton_scaler import GradBuckets, GradScaler
 
-    if not layout_applies(host_layout, grads, device):
-        raise ValueError(f"host_layout={host_layout!r} is for CPU tensors; "
-                         f"device={device!r}, grads={grads!r} take 'heap'")
+    if host_layout == "dense" and device != "cpu":
+        raise ValueError(f"host_layout='dense' is for CPU tensors; device={device!r} takes "
+                         f"'heap'")
     torch.manual_seed(0)
     sizes = torch.randint(NUMEL // 2, 3 * NUMEL // 2, (n_params,)).tolist()  # ~4k, mostly odd
     params = [torch.nn.Parameter(t) for t in _tensors(sizes, host_layout, device)]
@@ -182,7 +176,9 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
               else GradScaler(kind, backend="triton"))
     loss = torch.ones((), device=device)
     torch.stack([p[:1] for p in params]).sum().backward()
-    grad_buffer = _dense_buffer(sizes) if host_layout == "dense" else None
+    grad_buffer = None  # dense: the grads' memory outside buckets (and new_memory's)
+    if host_layout == "dense" and (not buckets or grads == "new_memory"):
+        grad_buffer = _dense_buffer(sizes)
     if grad_buffer is not None and not buckets:
         for p, g in zip(params, _dense_views(sizes, grad_buffer, 0)):
             p.grad = g
@@ -335,9 +331,7 @@ def main(sizes: tuple[int, ...], host_layout: str) -> None:
           "| torch cold us | ratio cold | ours kernels + other ops | torch kernels + other ops "
           "|\n|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
-        for index, (_, ours, _) in enumerate(PAIRS):
-            if not layout_applies(host_layout, ours.get("grads", "same")):
-                continue
+        for index in range(len(PAIRS)):
             done = subprocess.run([sys.executable, __file__, "--host-layout", host_layout,
                                    "--row", str(n), str(index)],
                                   capture_output=True, text=True, check=True)
