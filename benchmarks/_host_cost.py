@@ -2,18 +2,13 @@
 
 On a GPU a scaler is host-bound before it is bandwidth-bound, so what matters per step is the
 Python and dispatcher work of ``scale -> unscale_ -> step -> update`` and the number of device
-launches it issues. Here both scalers run on CPU tensors with their device work stubbed out:
-
-* triton_scaler's Triton kernels (``unscale_kernel``, ``update_scale_kernel``) become no-ops
-  that count their launches (the launch configuration is the GPU's: 4096-element blocks);
-* torch's ``_amp_foreach_non_finite_check_and_unscale_`` / ``_amp_update_scale_`` become
-  no-ops that count their calls;
-* the optimizer's ``step`` does nothing (its cost is the user's, the same for both).
-
-Every other tensor op the scaler issues still runs (it is host work too) and is counted by a
-dispatch mode in a separate, untimed step: ``kernels`` + ``other_ops`` = device launches per
-step (the optimizer's profiling records excluded). See ``GRAD_MODES`` for how the grads change
-between steps and ``HOST_LAYOUTS`` for where their data lies.
+launches it issues. Here both scalers run on CPU tensors with their device work stubbed out
+(``_host_stubs.py``: no-op kernels and torch ops that count their calls, an optimizer whose
+``step`` does nothing). Every other tensor op the scaler issues still runs (it is host work
+too) and is counted by a dispatch mode in a separate, untimed step: ``kernels`` +
+``other_ops`` = device launches per step (the optimizer's profiling records excluded). See
+``GRAD_MODES`` for how the grads change between steps and ``HOST_LAYOUTS`` for where their
+data lies.
 """
 
 from __future__ import annotations
@@ -26,80 +21,11 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
-from collections.abc import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from _host_stubs import CountOps, NoStep, NoStepFused, no_step, noop_launches
 
 NUMEL = 4096
-
-
-class _NoOpLaunch:
-    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args)`` counts and returns."""
-
-    def __init__(self, name: str, counts: Counter) -> None:
-        self.name, self.counts = name, counts
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.counts[self.name] += 1
-        return launch
-
-
-@contextlib.contextmanager
-def noop_launches() -> Iterator[Counter]:
-    """Patch both scalers' device kernels to counting no-ops (see the module docstring)."""
-    from triton_scaler.kernels import unscale, update
-
-    counts: Counter = Counter()
-    saved = [(unscale, "unscale_kernel"), (update, "update_scale_kernel"),
-             (unscale, "_INTERPRETED"), (unscale, "INTERPRETER_BLOCK"),
-             (torch, "_amp_foreach_non_finite_check_and_unscale_"),
-             (torch, "_amp_update_scale_")]
-    originals = [getattr(m, name) for m, name in saved]
-
-    def torch_op(name):
-        def op(*args, **kwargs):
-            counts[name] += 1
-        return op
-
-    replacements = [_NoOpLaunch("triton_unscale", counts), _NoOpLaunch("triton_update", counts),
-                    True, unscale.GPU_BLOCK, torch_op("torch_unscale"), torch_op("torch_update")]
-    try:
-        for (module, name), value in zip(saved, replacements):
-            setattr(module, name, value)
-        yield counts
-    finally:
-        for (module, name), value in zip(saved, originals):
-            setattr(module, name, value)
-
-
-class _CountOps(TorchDispatchMode):
-    """Counts the tensor ops that launch device work: not views, not host reads."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func.__name__ not in ("_local_scalar_dense.default",
-                                                       "empty.memory_format",
-                                                       "empty_strided.default"):
-            self.ops[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _no_step(closure=None):  # the optimizer's own work is not the scaler's
-    return None
-
-
-class _NoStep(torch.optim.SGD):
-    pass
-
-
-class _NoStepFused(_NoStep):
-    _step_supports_amp_scaling = True  # the fused-optimizer route (grad_scale / found_inf)
 
 
 #: How the grads change between two timed steps (untimed):
@@ -167,8 +93,8 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
     torch.manual_seed(0)
     sizes = torch.randint(NUMEL // 2, 3 * NUMEL // 2, (n_params,)).tolist()  # ~4k, mostly odd
     params = [torch.nn.Parameter(t) for t in _tensors(sizes, host_layout, device)]
-    opt = (_NoStepFused if fused else _NoStep)(params, lr=0.0)
-    opt.step = _no_step  # the instance's own: no torch wrapper (profiling hooks) around it
+    opt = (NoStepFused if fused else NoStep)(params, lr=0.0)
+    opt.step = no_step  # the instance's own: no torch wrapper (profiling hooks) around it
     if buckets:
         GradBuckets(opt)
     kind = torch.device(device).type
@@ -231,7 +157,7 @@ def _counted(impl: str, n_params: int, **flags) -> dict:
             step()
             prepare()
         counts.clear()
-        with _CountOps() as mode:
+        with CountOps() as mode:
             step()
     ops = {k: v for k, v in mode.ops.items() if not k.startswith("_record_function")}
     return {"kernels": sum(counts.values()), "other_ops": sum(ops.values()), "ops": ops}

@@ -9,7 +9,8 @@ alternately in one process (here each case is its own test)."""
 
 import pytest
 from _bench_common import FULL
-from _host_cost import CASES, HOST_LAYOUTS, label, make_step, noop_launches
+from _host_cost import CASES, HOST_LAYOUTS, label, make_step
+from _host_stubs import noop_launches
 
 SIZES = [100, 1000, 10000] if FULL else [100, 1000]
 #: every case in each layout (HOST_LAYOUTS)
