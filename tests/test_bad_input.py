@@ -115,6 +115,46 @@ def test_scale_rejects_what_is_not_tensors(backend):
     assert scaler.scale([torch.ones(()), (torch.ones(()),)])[1][0].item() == 65536.0
 
 
+@pytest.mark.parametrize("bad", [3.0, None, [torch.ones(()), 3.0], (torch.ones(()), [None])])
+def test_scale_raises_torchs_error_class_too(backend, bad):
+    """What torch's ``scale`` refuses with a ``ValueError``, ours refuses with an error that
+    is both a ``TypeError`` and that ``ValueError`` (code written for torch's catches it)."""
+    with pytest.raises(ValueError) as theirs:
+        list(_leaves(torch.amp.GradScaler("cpu").scale(bad)))
+    with pytest.raises(theirs.type, match="must be a Tensor") as ours:
+        GradScaler("cpu", backend=backend).scale(bad)
+    assert isinstance(ours.value, TypeError)
+
+
+def test_scale_takes_nested_iterables_as_torch(backend):
+    """A generator inside a list (or a generator) is scaled as torch's ``scale`` scales it: a
+    lazy ``map`` in its place, the list rebuilt around it."""
+    one, two = torch.ones(()), torch.full((2,), 2.0)
+    make = [lambda: [one, (t for t in [two, [one]]), (two,)],
+            lambda: (t for t in [one, (u for u in [two])])]
+    for outputs in make:
+        theirs = torch.amp.GradScaler("cpu", init_scale=4.0).scale(outputs())
+        ours = GradScaler("cpu", init_scale=4.0, backend=backend).scale(outputs())
+        assert type(ours) is type(theirs)
+        assert _shape(ours) == _shape(theirs)
+
+
+def _leaves(value):
+    """Every tensor of a scaled (nested, lazy) structure, consuming its maps."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    else:
+        for item in value:
+            yield from _leaves(item)
+
+
+def _shape(value):
+    """A scaled structure as plain nested lists of (container type, values), maps consumed."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    return (type(value).__name__, [_shape(item) for item in value])
+
+
 def test_update_new_scale_is_checked(backend):
     scaler, *_ = _trained(backend)
     for bad, error in ((math.nan, ValueError), (0.0, ValueError), ("1", TypeError)):

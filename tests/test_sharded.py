@@ -56,6 +56,11 @@ def test_scale_returns_each_output_in_its_own_dtype_as_torchs():
     assert [t.dtype for t in lazy] == [torch.float16, torch.float32]
     with pytest.raises(TypeError, match="outputs must be a Tensor"):
         ours.scale("loss")
+    for bad in (5.0, [single, None]):  # torch's error is a ValueError: ours is one too
+        with pytest.raises(ValueError) as theirs_error:
+            theirs.scale(bad)
+        with pytest.raises(theirs_error.type, match="must be a Tensor"):
+            ours.scale(bad)
     assert ShardedGradScaler("cpu", enabled=False).scale(half) is half
 
 
@@ -75,6 +80,12 @@ def test_needs_the_default_group_or_a_process_group_when_it_agrees():
     scaler.scale(torch.ones(()))
     with pytest.raises(RuntimeError, match="init_process_group"):
         scaler.unscale_(opt)
+    theirs = _torchs()("cpu")  # torch's raises a ValueError there: ours is one too
+    theirs.scale(torch.ones(()))
+    with pytest.raises(ValueError) as theirs_error:
+        theirs.unscale_(opt)
+    with pytest.raises(theirs_error.type, match="init_process_group"):
+        scaler.step(opt)
 
 
 @needs_gloo

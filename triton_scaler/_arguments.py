@@ -9,7 +9,8 @@ import torch
 
 from .policy import ScalerArgumentError
 
-__all__ = ["ScalerArgumentError", "check_device", "check_process_group", "check_outputs"]
+__all__ = ["ScalerArgumentError", "ScaleOutputsError", "check_device", "check_process_group",
+           "check_outputs"]
 
 
 def check_device(device: object) -> None:
@@ -38,19 +39,26 @@ def check_process_group(process_group: object) -> None:
                         f"{type(process_group).__name__} {process_group!r}")
 
 
-def check_outputs(outputs: object, where: str = "outputs") -> list | None:
-    """Validate what ``scale()`` was given, eagerly: a tensor, or a list / tuple / iterable of
-    them, nested. Returns the materialised items of a non-list, non-tuple iterable (which
-    ``scale`` then maps lazily, as torch), else None."""
+class ScaleOutputsError(TypeError, ValueError):
+    """``scale()`` was given something that is not tensors: a ``TypeError``, and the
+    ``ValueError`` torch's ``scale`` raises for the same outputs (``except ValueError`` in
+    code written for torch's scaler catches it)."""
+
+
+def check_outputs(outputs: object, where: str = "outputs") -> object:
+    """Validate what ``scale()`` was given, eagerly: a tensor, or lists / tuples / iterables
+    of them, nested. Returns ``outputs`` for torch's ``scale``, with each iterable that is not
+    a list or tuple materialised (checking consumes it) and handed on as an iterator over its
+    items, which torch's ``scale`` maps lazily, as it maps the original."""
     if isinstance(outputs, torch.Tensor):
-        return None
+        return outputs
     if isinstance(outputs, (str, bytes, Mapping)) or not isinstance(outputs, Iterable):
-        raise TypeError(f"{where} must be a Tensor or a (nested) list / tuple / iterable of "
-                        f"Tensors; got {type(outputs).__name__} {outputs!r:.80}")
-    items = list(outputs)
-    for i, item in enumerate(items):
-        materialised = check_outputs(item, f"{where}[{i}]")
-        if materialised is not None:
-            raise TypeError(f"{where}[{i}] is a {type(item).__name__}: nested outputs must be "
-                            "Tensors, lists or tuples")
-    return None if isinstance(outputs, (list, tuple)) else items
+        raise ScaleOutputsError(f"{where} must be a Tensor or a (nested) list / tuple / "
+                                f"iterable of Tensors; got {type(outputs).__name__} "
+                                f"{outputs!r:.80}")
+    items = [check_outputs(item, f"{where}[{i}]") for i, item in enumerate(outputs)]
+    if not isinstance(outputs, (list, tuple)):
+        return iter(items)
+    if all(new is old for new, old in zip(items, outputs)):
+        return outputs
+    return type(outputs)(items)  # a nested iterable materialised (torch rebuilds it too)

@@ -104,12 +104,12 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
               ) -> torch.Tensor | Iterable[torch.Tensor]:
         """Multiply a tensor, or a (nested) list / tuple / iterable of tensors, by the scale,
         as torch (an iterable that is not a list or tuple comes back as a lazy ``map``). The
-        structure is checked first: a string, a dict or a non-tensor leaf raises ``TypeError``.
+        structure is checked first: a string, a dict or a non-tensor leaf raises
+        ``ScaleOutputsError``, a ``TypeError`` and, as torch's error, a ``ValueError``.
         No host sync."""
         if not self._enabled or isinstance(outputs, torch.Tensor):
             return super().scale(outputs)
-        items = check_outputs(outputs)
-        return super().scale(outputs if items is None else iter(items))
+        return super().scale(check_outputs(outputs))
 
     # ------------------------------------------------------------------ device work
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,

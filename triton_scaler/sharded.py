@@ -12,6 +12,11 @@ from ._arguments import check_outputs
 from .grad_scaler import GradScaler
 
 
+class NoDefaultGroupError(RuntimeError, ValueError):
+    """No ``process_group`` and no default group to agree over: a ``RuntimeError``, and the
+    ``ValueError`` torch's ``ShardedGradScaler`` raises in the same place."""
+
+
 class ShardedGradScaler(GradScaler):
     """Drop-in replacement for torch's ``ShardedGradScaler`` (FSDP1, and DDP or ZeRO-style
     sharding with plain tensors): a :class:`GradScaler` whose found_inf is agreed over
@@ -22,8 +27,8 @@ class ShardedGradScaler(GradScaler):
     * ``process_group=None`` agrees over the default group, looked up at each agreement, so
       the scaler may be built before ``init_process_group`` (torch's default,
       ``dist.group.WORLD``, is read when its module is imported: None before
-      ``init_process_group``, which its all-reduce takes as the default group). The group is
-      the public ``process_group``;
+      ``init_process_group``, which its all-reduce takes as the default group); with neither,
+      an agreement raises ``NoDefaultGroupError``. The group is the public ``process_group``;
     * ``unscale_`` (and :meth:`clip_grad_norm_`) accept float16 grads (a float16 model, or
       FSDP1's ``keep_low_precision_grads=True``);
     * ``scale()`` returns each output in its own dtype: a float16 loss stays float16 (a scaled
@@ -65,7 +70,7 @@ class ShardedGradScaler(GradScaler):
             import torch.distributed as dist
 
             if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError(
+                raise NoDefaultGroupError(
                     "ShardedGradScaler agrees found_inf over torch.distributed's default group, "
                     "which is not initialised: call torch.distributed.init_process_group() "
                     "first, or pass process_group=")
@@ -82,7 +87,6 @@ class ShardedGradScaler(GradScaler):
         ``ShardedGradScaler``. No host sync."""
         if not self._enabled:
             return outputs
-        items = check_outputs(outputs)
         scale_one = super().scale
 
         def apply(value):
@@ -90,7 +94,7 @@ class ShardedGradScaler(GradScaler):
                 return scale_one(value).type(value.dtype)
             scaled = map(apply, value)
             return type(value)(scaled) if isinstance(value, (list, tuple)) else scaled
-        return apply(outputs if items is None else iter(items))
+        return apply(check_outputs(outputs))
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
