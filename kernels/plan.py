@@ -110,25 +110,28 @@ def _without_aliases(addresses: tuple[int, ...], numels: tuple[int, ...]):
 
 class UnscalePlan:
     """The host side of one launch over same-device, same-dtype grads: the base tensor (the
-    ``base_index``-th grad), the chunk table (or the flat size) and the contiguous copies that
-    non-dense grads need. Built by :func:`plan_unscale`. A ``reusable`` plan (no copies) holds
-    no grads once :meth:`template` strips its base, and :meth:`rebased` puts the base of a new
-    grads list at the same addresses back."""
+    ``base_index``-th grad; the launch takes its address, dtype and device), the chunk table
+    (or the flat size) and the contiguous copies that non-dense grads need. Built by
+    :func:`plan_unscale`. A ``reusable`` plan (no copies) holds no grads once :meth:`template`
+    strips its base, and :meth:`rebased` puts the base of a new grads list at the same
+    addresses, laid out as these (``contiguous``: all of them contiguous), back."""
 
-    __slots__ = ("base", "base_index", "table", "n", "grid", "copies", "reusable")
+    __slots__ = ("base", "base_index", "table", "n", "grid", "copies", "reusable", "contiguous")
 
-    def __init__(self, base, base_index, table, n, grid, copies, reusable):
+    def __init__(self, base, base_index, table, n, grid, copies, contiguous):
         self.base, self.base_index, self.table, self.n = base, base_index, table, n
-        self.grid, self.copies, self.reusable = grid, copies, reusable
+        self.grid, self.copies, self.contiguous = grid, copies, contiguous
+        self.reusable = not copies
 
     def template(self) -> UnscalePlan:
         return self.rebased(None)
 
     def rebased(self, base: torch.Tensor | None) -> UnscalePlan:
-        """This template over a new grads list at the same addresses, whose
-        ``base_index``-th grad is ``base`` (None for a plan without elements)."""
+        """This template over a new grads list at the same addresses and laid out as the
+        grads it was made for, whose ``base_index``-th grad is ``base`` (None for a plan
+        without elements)."""
         return UnscalePlan(base if self.grid else None, self.base_index,
-                           self.table, self.n, self.grid, [], True)
+                           self.table, self.n, self.grid, [], self.contiguous)
 
 
 def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
@@ -147,7 +150,7 @@ def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
     copies = []
     dense = grads
     contiguous = all(map(torch.Tensor.is_contiguous, grads))
-    if not contiguous:  # rare: Python work per such grad
+    if not contiguous:  # channels_last, transposed, gapped: Python work per such grad
         dense, addresses = [], None
         for g in grads:
             flat = g if g.is_contiguous() else _flat_memory(g)

@@ -1,8 +1,8 @@
 """Issue 15: the address-keyed launch plans of the no-bucket path stay exact when the
 parameters or their grads' memory change: parameters swapped into ``param_groups``, converted
 or resized in place (also with new grads at the old grads' addresses), grads cycling through
-memory layouts, empty grads first. Each run against torch's scaler (which reads every
-``.grad`` each step)."""
+memory layouts, empty grads first, grads assigned as views with gaps. Each run against
+torch's scaler (which reads every ``.grad`` each step)."""
 
 from collections import Counter
 
@@ -10,7 +10,24 @@ import pytest
 import torch
 from _util import assert_all_same
 
-from triton_scaler import GradBuckets, GradScaler, kernels
+from triton_scaler import GradBuckets, GradScaler, _stored_plans, kernels
+
+
+def _guards_of_another_signature(*grads, **kwargs):
+    raise TypeError("TensorGuards() got an unexpected keyword argument")
+
+
+@pytest.fixture(autouse=True, params=["tensor_guards", "python_check", "other_signature"])
+def tensor_guards(request, monkeypatch):
+    """Every test three times: reused plans checked by torch's TensorGuards from their second
+    reuse on; by the Python passes only (a torch without TensorGuards); by the Python passes
+    after TensorGuards refused its arguments (a torch whose private API changed). True for
+    the first."""
+    if request.param == "python_check":
+        monkeypatch.setattr(_stored_plans, "TensorGuards", None)
+    elif request.param == "other_signature":
+        monkeypatch.setattr(_stored_plans, "TensorGuards", _guards_of_another_signature)
+    return request.param == "tensor_guards"
 
 
 def _assert_matches_torch(run, backend, **kwargs):
@@ -195,16 +212,117 @@ def test_parameter_changed_in_place(backend, new_size, dtype, new_list):
 
 
 @pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
-def test_gapped_grad_assigned_then_a_new_parameter_list(backend):
-    """The remedy the README gives for the one change the per-step check does not see: a
-    gapped grad assigned at exactly the address and size of the grad before it, then
-    ``group["params"] = list(group["params"])``: re-planned (a copy-back launch), equal to
-    torch, the memory between the gapped grad's elements included."""
+@pytest.mark.parametrize("gapped_from", [1, 2, 3])
+@pytest.mark.parametrize("new_list", [False, True], ids=["same_list", "new_list"])
+def test_gapped_grad_assigned_at_the_address_and_size_of_the_grad_before_it(
+        backend, gapped_from, new_list):
+    """A grad assigned as a view with gaps (``p.grad = m[:600:2]``) at exactly the address
+    and size of the contiguous grad before it: the reused plan would unscale the first 300
+    elements of ``m`` (half of them between the view's elements) and miss its inf; it is
+    re-planned (a copy-back launch), equal to torch, the memory between the gapped grad's
+    elements included. Assigned at the first reuse of the plans (step 1: the Python check),
+    at the second (step 2: torch's TensorGuards from the first) and later; with a new
+    parameter list too."""
     def gapped(step, params, memory, opt):
-        if step >= 2:
+        if step >= gapped_from:
             params[1].grad = memory[1][:600:2].zero_()
-        if step == 2:
+        if step == gapped_from and new_list:
             opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
 
-    _assert_matches_torch(lambda scaler: _train_in_fixed_memory(scaler, gapped, steps=4),
+    _assert_matches_torch(lambda scaler: _train_in_fixed_memory(scaler, gapped, steps=5),
                           backend, init_scale=8.0, growth_interval=1)
+
+
+def test_plans_reused_through_one_tensor_guards_check(backend, tensor_guards, monkeypatch):
+    """Grads at the same addresses step after step: planned at the first step, checked by the
+    Python passes at the second (which builds the TensorGuards), by one TensorGuards check
+    at each later step."""
+    if backend != "triton" or not tensor_guards:
+        pytest.skip("plans are reused on the Triton backend; the guard is torch's")
+    counts, real_guards = Counter(), _stored_plans.TensorGuards
+
+    class CountingGuards:
+        def __init__(self, *grads, **kwargs):
+            counts["built"] += 1
+            self.guards = real_guards(*grads, **kwargs)
+
+        def check(self, *grads):
+            counts["checked"] += 1
+            return self.guards.check(*grads)
+
+    monkeypatch.setattr(_stored_plans, "TensorGuards", CountingGuards)
+    monkeypatch.setattr(kernels, "plan_unscale", lambda *args, build=kernels.plan_unscale:
+                        (counts.update(["planned"]), build(*args))[1])
+
+    def run(scaler):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 300, 3)]
+        opt = torch.optim.SGD(params, lr=0.1)
+        for step in range(6):
+            opt.zero_grad(set_to_none=False)
+            scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(params))).backward()
+            if step == 4:
+                params[0].grad[0] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+        return scaler.get_scale(), [p.detach().clone() for p in params]
+
+    _assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
+    assert counts == {"planned": 1, "built": 1, "checked": 4}
+
+
+def _grad_view(memory, shape, layout):
+    """A tensor of ``shape`` at the start of ``memory``: ``contiguous``, ``channels_last``
+    (4-D; 2-D: transposed; 1-D: contiguous), or ``gapped`` (the same over every other
+    element of ``memory``)."""
+    numel = torch.Size(shape).numel()
+    if layout == "contiguous":
+        return memory[:numel].view(shape)
+    step = 2 if layout == "gapped" else 1
+    flat = memory[:numel * step:step]
+    if len(shape) == 4:
+        n, c, h, w = shape
+        return flat.view(n * h * w, c).view(n, h, w, c).permute(0, 3, 1, 2)
+    return flat.view(shape[::-1]).t() if len(shape) == 2 else flat
+
+
+@pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
+@pytest.mark.parametrize("then", ["same", "contiguous", "gapped"])
+def test_channels_last_and_transposed_grads(backend, tensor_guards, then, monkeypatch):
+    """Conv weights in channels_last and a transposed weight (their grads too, by torch's
+    gradient layout contract), beside a bias: the plans, over their flat memory, are made once
+    and reused through TensorGuards (which sees strides), made each step by the Python check
+    (contiguous grads only). From step 3 the grads at the same addresses and of the same
+    sizes are contiguous, or gapped (every other element): re-planned. inf / -inf / NaN at
+    the first and last element of the first and last grad, equal to torch, the memory
+    between the gapped grads' elements included."""
+    shapes = [(8, 3, 3, 3), (5, 7, 3, 3), (7,), (4, 9)]
+    planned = Counter()
+    monkeypatch.setattr(kernels, "plan_unscale", lambda *args, build=kernels.plan_unscale:
+                        (planned.update(["plans"]), build(*args))[1])
+
+    def run(scaler):
+        torch.manual_seed(0)
+        memory = [torch.zeros(2 * torch.Size(s).numel() + 3) for s in shapes]
+        params = [torch.nn.Parameter(_grad_view(torch.randn(m.numel()), s, "channels_last"))
+                  for m, s in zip(memory, shapes)]
+        opt = torch.optim.SGD(params, lr=0.1)
+        planted = {4: (0, 0, float("inf")), 5: (-1, -1, -float("inf")), 6: (0, -1, float("nan"))}
+        for step in range(7):
+            layout = "channels_last" if step < 3 or then == "same" else then
+            for p, m, s in zip(params, memory, shapes):
+                m.fill_(1.0)
+                p.grad = _grad_view(m, s, layout).zero_()
+            loss = sum((p * (i + 1)).square().sum() for i, p in enumerate(params))
+            scaler.scale(loss).backward()
+            if step in planted:
+                which, at, value = planted[step]
+                grad = params[which].grad
+                grad[(at,) * grad.dim()] = value
+            scaler.step(opt)
+            scaler.update()
+        return scaler.get_scale(), [p.detach().clone() for p in params] + memory
+
+    _assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
+    if backend == "triton" and then == "same":
+        assert planned["plans"] == (1 if tensor_guards else 7)

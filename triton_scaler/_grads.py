@@ -3,9 +3,10 @@
 The grouping is cached per optimizer and checked, each step, against the optimizer's live
 parameter objects (one identity pass; none when GradBuckets hold every parameter). A step
 whose grads are those of the last step, or new grads at the same addresses and of the same
-sizes and dtypes, costs: nothing per parameter when GradBuckets hold every grad; otherwise one
-C-level pass reading the grads and one each reading their addresses, sizes and dtypes, then
-the last step's launch plans (no hashing, no table).
+types, dtypes, devices, shapes and strides, costs: nothing per parameter when GradBuckets hold
+every grad; otherwise one C-level pass reading the grads, one reading their addresses and one
+C++ call checking the rest (torch's own tensor guard), then the last step's launch plans (no
+hashing, no table).
 Grads back at the addresses of one of the last few steps (an allocator whose blocks cycle)
 add one hash of the addresses.
 """
@@ -24,6 +25,7 @@ from torch.amp.grad_scaler import _MultiDeviceReplicator
 from . import ops
 from ._backend import resolve_backend, triton_kernels
 from ._distributed import local_grad
+from ._stored_plans import StoredPlans, tensor_guards
 from .buckets import buckets_of, param_lists, same_param_lists
 
 if TYPE_CHECKING:
@@ -96,11 +98,10 @@ class _Layout:
         self.plain_groups = [(device, dtype, _picker(indices, len(self.outside)))
                              for (device, dtype), indices in by_key.items()]
         self.has_fp16 = any(dtype == torch.float16 for _, dtype in by_key)
-        # the grads' addresses -> (the scaler's backend, each plain group's launch plan
-        # without its grads, the grads' sizes, their dtypes), for the last address layouts
-        # where every group had a reusable Triton plan; ``last`` is the newest (key, value),
+        # the grads' addresses -> their launch plans, for the last address layouts where
+        # every group had a reusable Triton plan; ``last`` is the newest (key, value),
         # compared without hashing. No grad is held: zero_grad(set_to_none=True) frees them.
-        self.plans: OrderedDict[tuple[int, ...], tuple] = OrderedDict()
+        self.plans: OrderedDict[tuple[int, ...], StoredPlans] = OrderedDict()
         self.last: tuple | None = None
 
     def is_current(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -175,26 +176,25 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
     per-grad path) when a grad is None, sparse, not a plain tensor, or not of its parameter's
     dtype and device as the layout knows them.
 
-    Grads at the addresses and with the sizes and dtypes of the last step (or of one of the
-    last ``_PLAN_CACHE_SIZE`` layouts) reuse that layout's launch plans: one pass reading the
-    grads, then one each reading their addresses, sizes and dtypes. A parameter resized or
-    converted in place (``param.data = ...``, ``module.half()``) whose new grad lands at its
-    old grad's address is caught through the sizes and dtypes; one moved to another device
-    through its address (each device has its own address range). Not caught: a gapped grad
-    assigned by the user (``p.grad = m[::2]``) at the address and with the size of the grad
-    before it (README; a new ``group["params"]`` list re-plans)."""
+    Grads at the addresses of the last step's (or of one of the last ``_PLAN_CACHE_SIZE``
+    layouts') and laid out as they were (:meth:`StoredPlans.fit`) reuse that layout's launch
+    plans: one pass reading the grads, one reading their addresses, one C++ call (channels_last
+    and other dense grads too). Caught there: a parameter resized or converted in place
+    (``param.data = ...``, ``module.half()``) whose new grad lands at its old grad's address,
+    a grad assigned as a view with gaps (``p.grad = m[::2]``) or in another memory format at
+    the address and with the size of the grad before it; a grad on another device has
+    another address (each device has its own address range)."""
     grads = list(map(_GRAD, layout.outside))
     try:
         addresses = tuple(map(_DATA_PTR, grads))
     except (TypeError, RuntimeError):  # a None grad (no data_ptr), a sparse one
         return None
-    numels, dtypes = tuple(map(_NUMEL, grads)), tuple(map(_DTYPE, grads))
     last = layout.last  # the last step's layout: tuple comparisons, no hash
-    entry = last[1] if last is not None and last[0] == addresses else \
+    stored = last[1] if last is not None and last[0] == addresses else \
         _earlier_plans(layout, addresses)
-    if entry is not None and entry[0] == backend and entry[2] == numels and entry[3] == dtypes:
+    if stored is not None and stored.backend == backend and stored.fit(grads):
         groups = []
-        for (device, _, pick), template in zip(layout.plain_groups, entry[1]):
+        for (device, _, pick), template in zip(layout.plain_groups, stored.templates):
             members = pick(grads)
             base = members[template.base_index]  # its first non-empty grad
             if base.device != device:
@@ -202,26 +202,26 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
             groups.append(GradGroup(device, members, plan=template.rebased(base)))
         else:
             return groups
-    return _groups_planned(layout, backend, grads, addresses, numels, dtypes)
+    return _groups_planned(layout, backend, grads, addresses)
 
 
-def _earlier_plans(layout: _Layout, addresses: tuple[int, ...]) -> tuple | None:
+def _earlier_plans(layout: _Layout, addresses: tuple[int, ...]) -> StoredPlans | None:
     """The stored plans of grads at ``addresses`` when they are not the last step's: one of
     the last ``_PLAN_CACHE_SIZE`` layouts' through a hash of the addresses (then the last)."""
-    entry = layout.plans.get(addresses)
-    if entry is not None:
+    stored = layout.plans.get(addresses)
+    if stored is not None:
         layout.plans.move_to_end(addresses)
-        layout.last = (addresses, entry)
-    return entry
+        layout.last = (addresses, stored)
+    return stored
 
 
 def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
-                    addresses: tuple[int, ...], numels: tuple[int, ...],
-                    dtypes: tuple[torch.dtype, ...]) -> list[GradGroup] | None:
+                    addresses: tuple[int, ...]) -> list[GradGroup] | None:
     """New launch plans (a chunk table each) after checking every grad's type, dtype,
     device and size; stored for the next step's :func:`_groups_fast`."""
     if set(map(type, grads)) != {torch.Tensor}:
         return None
+    numels, dtypes = tuple(map(_NUMEL, grads)), tuple(map(_DTYPE, grads))
     groups, templates = [], []
     for device, dtype, pick in layout.plain_groups:
         members = pick(grads)
@@ -237,10 +237,16 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
             plan = group.launch_target()
             templates.append(plan.template() if plan.reusable else None)
         groups.append(group)
+    stored = None
     if len(templates) == len(groups) and None not in templates:  # reusable: stored
-        entry = layout.plans[addresses] = (backend, templates, numels, dtypes)
+        stored = StoredPlans(backend, templates, numels, dtypes)
+        if not all(template.contiguous for template in templates):  # strides: the guard's
+            stored.guard = tensor_guards(grads)
+            stored = stored if stored.guard is not None else None
+    if stored is not None:
+        layout.plans[addresses] = stored
         layout.plans.move_to_end(addresses)
-        layout.last = (addresses, entry)
+        layout.last = (addresses, stored)
         if len(layout.plans) > _PLAN_CACHE_SIZE:
             layout.plans.popitem(last=False)
     else:
