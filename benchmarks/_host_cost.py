@@ -78,13 +78,21 @@ def _dense_views(sizes: list[int], buffer: bytearray, shift: int) -> list[torch.
             for n, o in zip(sizes, offsets)]
 
 
+def _as_conv_weights(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """1-D tensors of 36k elements as channels_last conv weights ``(k, 4, 3, 3)`` over the
+    same memory (their grads are channels_last too: torch's gradient layout contract)."""
+    return [t.view(-1, 3, 3, 4).permute(0, 3, 1, 2) for t in tensors]
+
+
 def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = False,
-              grads: str = "same", device: str = "cpu", host_layout: str = "heap"):
+              grads: str = "same", device: str = "cpu", host_layout: str = "heap",
+              channels_last: bool = False):
     """(prepare, step): ``step()`` is the timed ``scale -> unscale_ -> step -> update``;
     ``prepare()`` (untimed) renews the grads as ``grads`` says. One real backward first
     writes every grad through autograd (GradBuckets' hooks fire); with ``host_layout="dense"``
     the grads outside buckets are then moved to one buffer (``HOST_LAYOUTS``).
-    ``device="cuda"``: real launches (the GPU run of this benchmark)."""
+    ``device="cuda"``: real launches (the GPU run of this benchmark). ``channels_last``: the
+    parameters and grads are channels_last conv weights of ~4k elements."""
     from triton_scaler import GradBuckets, GradScaler
 
     if host_layout == "dense" and device != "cpu":
@@ -92,7 +100,10 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
                          f"'heap'")
     torch.manual_seed(0)
     sizes = torch.randint(NUMEL // 2, 3 * NUMEL // 2, (n_params,)).tolist()  # ~4k, mostly odd
-    params = [torch.nn.Parameter(t) for t in _tensors(sizes, host_layout, device)]
+    laid_out = _as_conv_weights if channels_last else list
+    if channels_last:
+        sizes = [36 * max(1, n // 36) for n in sizes]
+    params = [torch.nn.Parameter(t) for t in laid_out(_tensors(sizes, host_layout, device))]
     opt = (NoStepFused if fused else NoStep)(params, lr=0.0)
     opt.step = no_step  # the instance's own: no torch wrapper (profiling hooks) around it
     if buckets:
@@ -106,12 +117,12 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
     if host_layout == "dense" and (not buckets or grads == "new_memory"):
         grad_buffer = _dense_buffer(sizes)
     if grad_buffer is not None and not buckets:
-        for p, g in zip(params, _dense_views(sizes, grad_buffer, 0)):
+        for p, g in zip(params, laid_out(_dense_views(sizes, grad_buffer, 0))):
             p.grad = g
     shift = itertools.count(1)  # dense new_memory: the next step's shift, in 64 bytes
     spare = []  # alternating: the second set of grad memory
     if grads == "alternating":
-        spare = _tensors(sizes, host_layout) if host_layout == "dense" else \
+        spare = laid_out(_tensors(sizes, host_layout)) if host_layout == "dense" else \
             [p.grad.clone() for p in params]
 
     def prepare() -> None:
@@ -124,7 +135,7 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
             for p in params:
                 p.grad = p.grad.detach()  # a new tensor over the same memory
         elif grads == "new_memory" and grad_buffer is not None:
-            new = _dense_views(sizes, grad_buffer, 64 * (next(shift) % _SHIFTS))
+            new = laid_out(_dense_views(sizes, grad_buffer, 64 * (next(shift) % _SHIFTS)))
             for p, g in zip(params, new):
                 p.grad = g
         elif grads == "new_memory":
@@ -220,6 +231,7 @@ PAIRS: list[tuple[str, dict, dict]] = [
     ("fused, grads same", {"fused": True}, {"fused": True}),
     ("fused, GradBuckets (torch: grads same)", {"fused": True, "buckets": True}, {"fused": True}),
     ("plain, grads alternating", {"grads": "alternating"}, {"grads": "alternating"}),
+    ("plain, grads same, channels_last", {"channels_last": True}, {"channels_last": True}),
 ]
 
 #: Each scaler's distinct cases of PAIRS, for the pytest-benchmark suite (one test each).
@@ -232,7 +244,8 @@ CASES: list[tuple[str, dict]] = list({(impl, tuple(sorted(flags.items()))): (imp
 def label(impl: str, flags: dict) -> str:
     name = impl + ("+buckets" if flags.get("buckets") else "")
     route = "fused" if flags.get("fused") else "plain"
-    return f"{name}, {route}" + ("" if flags.get("buckets") else f", grads {flags.get('grads', 'same')}")
+    return f"{name}, {route}" + ("" if flags.get("buckets") else f", grads {flags.get('grads', 'same')}") \
+        + (", channels_last" if flags.get("channels_last") else "")
 
 
 def row(n: int, index: int, host_layout: str = "heap") -> str:
