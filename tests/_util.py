@@ -30,3 +30,20 @@ def assert_all_same(actual, expected) -> None:
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected):
         assert_same(a, e)
+
+
+def view_in(memory: torch.Tensor, shape: tuple[int, ...], layout: str) -> torch.Tensor:
+    """A tensor of ``shape`` at the start of 1-D ``memory``: ``contiguous``, ``channels_last``
+    (4-D; 2-D: transposed; else contiguous), or ``gapped`` / ``gapped_channels_last`` (the
+    same over every other element of ``memory``)."""
+    numel = torch.Size(shape).numel()
+    if layout == "contiguous":
+        return memory[:numel].view(shape)
+    step = 2 if layout.startswith("gapped") else 1
+    flat = memory[:numel * step:step]
+    if layout.endswith("channels_last") and len(shape) == 4:
+        n, c, h, w = shape
+        return flat.view(n * h * w, c).view(n, h, w, c).permute(0, 3, 1, 2)
+    if layout.endswith("channels_last") and len(shape) == 2:
+        return flat.view(shape[::-1]).t()
+    return flat.view(shape)

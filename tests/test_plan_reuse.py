@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
-from _util import assert_all_same
+from _util import assert_all_same, view_in
 
 from triton_scaler import GradBuckets, GradScaler, _stored_plans, kernels
 
@@ -271,29 +271,14 @@ def test_plans_reused_through_one_tensor_guards_check(backend, tensor_guards, mo
     assert counts == {"planned": 1, "built": 1, "checked": 4}
 
 
-def _grad_view(memory, shape, layout):
-    """A tensor of ``shape`` at the start of ``memory``: ``contiguous``, ``channels_last``
-    (4-D; 2-D: transposed; 1-D: contiguous), or ``gapped`` (the same over every other
-    element of ``memory``)."""
-    numel = torch.Size(shape).numel()
-    if layout == "contiguous":
-        return memory[:numel].view(shape)
-    step = 2 if layout == "gapped" else 1
-    flat = memory[:numel * step:step]
-    if len(shape) == 4:
-        n, c, h, w = shape
-        return flat.view(n * h * w, c).view(n, h, w, c).permute(0, 3, 1, 2)
-    return flat.view(shape[::-1]).t() if len(shape) == 2 else flat
-
-
 @pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
-@pytest.mark.parametrize("then", ["same", "contiguous", "gapped"])
+@pytest.mark.parametrize("then", ["same", "contiguous", "gapped", "gapped_channels_last"])
 def test_channels_last_and_transposed_grads(backend, tensor_guards, then, monkeypatch):
     """Conv weights in channels_last and a transposed weight (their grads too, by torch's
     gradient layout contract), beside a bias: the plans, over their flat memory, are made once
     and reused through TensorGuards (which sees strides), made each step by the Python check
     (contiguous grads only). From step 3 the grads at the same addresses and of the same
-    sizes are contiguous, or gapped (every other element): re-planned. inf / -inf / NaN at
+    sizes are contiguous, or gapped (every other element; in either layout): re-planned. inf / -inf / NaN at
     the first and last element of the first and last grad, equal to torch, the memory
     between the gapped grads' elements included."""
     shapes = [(8, 3, 3, 3), (5, 7, 3, 3), (7,), (4, 9)]
@@ -304,7 +289,7 @@ def test_channels_last_and_transposed_grads(backend, tensor_guards, then, monkey
     def run(scaler):
         torch.manual_seed(0)
         memory = [torch.zeros(2 * torch.Size(s).numel() + 3) for s in shapes]
-        params = [torch.nn.Parameter(_grad_view(torch.randn(m.numel()), s, "channels_last"))
+        params = [torch.nn.Parameter(view_in(torch.randn(m.numel()), s, "channels_last"))
                   for m, s in zip(memory, shapes)]
         opt = torch.optim.SGD(params, lr=0.1)
         planted = {4: (0, 0, float("inf")), 5: (-1, -1, -float("inf")), 6: (0, -1, float("nan"))}
@@ -312,7 +297,7 @@ def test_channels_last_and_transposed_grads(backend, tensor_guards, then, monkey
             layout = "channels_last" if step < 3 or then == "same" else then
             for p, m, s in zip(params, memory, shapes):
                 m.fill_(1.0)
-                p.grad = _grad_view(m, s, layout).zero_()
+                p.grad = view_in(m, s, layout).zero_()
             loss = sum((p * (i + 1)).square().sum() for i, p in enumerate(params))
             scaler.scale(loss).backward()
             if step in planted:
