@@ -278,9 +278,9 @@ def test_channels_last_and_transposed_grads(backend, tensor_guards, then, monkey
     gradient layout contract), beside a bias: the plans, over their flat memory, are made once
     and reused through TensorGuards (which sees strides), made each step by the Python check
     (contiguous grads only). From step 3 the grads at the same addresses and of the same
-    sizes are contiguous, or gapped (every other element; in either layout): re-planned. inf / -inf / NaN at
-    the first and last element of the first and last grad, equal to torch, the memory
-    between the gapped grads' elements included."""
+    sizes are contiguous, or gapped (every other element; in either layout): re-planned.
+    inf / -inf / NaN at the first and last element of the first and last grad, equal to
+    torch, the memory between the gapped grads' elements included."""
     shapes = [(8, 3, 3, 3), (5, 7, 3, 3), (7,), (4, 9)]
     planned = Counter()
     monkeypatch.setattr(kernels, "plan_unscale", lambda *args, build=kernels.plan_unscale:
