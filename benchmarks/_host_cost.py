@@ -244,8 +244,8 @@ CASES: list[tuple[str, dict]] = list({(impl, tuple(sorted(flags.items()))): (imp
 def label(impl: str, flags: dict) -> str:
     name = impl + ("+buckets" if flags.get("buckets") else "")
     route = "fused" if flags.get("fused") else "plain"
-    return f"{name}, {route}" + ("" if flags.get("buckets") else f", grads {flags.get('grads', 'same')}") \
-        + (", channels_last" if flags.get("channels_last") else "")
+    grads = "" if flags.get("buckets") else f", grads {flags.get('grads', 'same')}"
+    return f"{name}, {route}{grads}" + (", channels_last" if flags.get("channels_last") else "")
 
 
 def row(n: int, index: int, host_layout: str = "heap") -> str:

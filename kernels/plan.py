@@ -116,12 +116,15 @@ class UnscalePlan:
     strips its base, and :meth:`rebased` puts the base of a new grads list at the same
     addresses, laid out as these (``contiguous``: all of them contiguous), back."""
 
-    __slots__ = ("base", "base_index", "table", "n", "grid", "copies", "reusable", "contiguous")
+    __slots__ = ("base", "base_index", "table", "n", "grid", "copies", "contiguous")
 
     def __init__(self, base, base_index, table, n, grid, copies, contiguous):
         self.base, self.base_index, self.table, self.n = base, base_index, table, n
         self.grid, self.copies, self.contiguous = grid, copies, contiguous
-        self.reusable = not copies
+
+    @property
+    def reusable(self) -> bool:
+        return not self.copies
 
     def template(self) -> UnscalePlan:
         return self.rebased(None)
