@@ -225,23 +225,26 @@ def test_grads_argument_forms(backend):
     assert not ops.all_finite(iter([torch.tensor([math.nan])]), backend=backend).item()
 
 
-@pytest.mark.parametrize("alias", ["same", "transpose"])
+@pytest.mark.parametrize("alias", ["same", "transpose", "prefix"])
 def test_aliased_grads_are_unscaled_once(backend, alias):
-    """torch unscales memory shared by two grads twice (a torch bug); we unscale it once."""
+    """torch unscales memory shared by two grads twice (a torch bug); we unscale it once.
+    ``prefix``: the shorter alias (the first 5 elements) comes first in the optimizer."""
     results = {}
     for name, scaler in (("torch", torch.amp.GradScaler("cpu", init_scale=4.0)),
                          ("ours", GradScaler("cpu", init_scale=4.0, backend=backend))):
         p1, p2 = torch.nn.Parameter(torch.ones(3, 4)), torch.nn.Parameter(torch.ones(3, 4))
-        if alias == "transpose":
-            p2 = torch.nn.Parameter(torch.ones(4, 3))
-        opt = torch.optim.SGD([p1, p2, torch.nn.Parameter(torch.ones(5))], lr=0.1)
+        if alias != "same":
+            p2 = torch.nn.Parameter(torch.ones(4, 3) if alias == "transpose" else torch.ones(5))
+        first = [p2, p1] if alias == "prefix" else [p1, p2]
+        opt = torch.optim.SGD([*first, torch.nn.Parameter(torch.ones(5))], lr=0.1)
         opt.param_groups[0]["params"][2].grad = torch.full((5,), 8.0)
         scaler.scale(p1.sum())
         p1.grad = torch.full((3, 4), 8.0)
-        p2.grad = p1.grad if alias == "same" else p1.grad.t()
+        p2.grad = {"same": p1.grad, "transpose": p1.grad.t(),
+                   "prefix": p1.grad.view(-1)[:5]}[alias]
         scaler.unscale_(opt)
-        results[name] = p1.grad[0, 0].item()
-    assert results == {"torch": 0.5, "ours": 2.0}
+        results[name] = (p1.grad[0, 0].item(), p1.grad[-1, -1].item())
+    assert results == {"torch": (0.5, 0.5 if alias != "prefix" else 2.0), "ours": (2.0, 2.0)}
 
 
 # ------------------------------------------------------------ buckets and pickled models

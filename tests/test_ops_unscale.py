@@ -89,6 +89,30 @@ def test_mixed_dtypes_and_non_contiguous(backend):
     assert_same(base.t(), grads[0])  # written through the view, base shares storage
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_chunk_one_element_short_of_a_block_leaves_the_memory_after_it(triton_device, dtype):
+    """A grad of one element less than the launch's block, 16-byte aligned, with memory right
+    after it: alone (a flat launch) and followed at once by the next grad (a chunk table),
+    everything after it is left as it was or unscaled once (a mask-free full-block path taken
+    one element early would unscale that element too, or write past the grad)."""
+    from triton_scaler.kernels import unscale
+
+    block = unscale._block()
+    inv = torch.tensor(1 / 3.0)
+    source = _grads([2 * block], dtype, seed=5)[0]
+    for spans in ([(0, block - 1)], [(0, block - 1), (block - 1, block + 4),
+                                     (block + 8, 2 * block - 3)]):
+        memory = source.clone().to(triton_device)
+        expected = source.clone()
+        found = torch.zeros((), device=triton_device)
+        ops.non_finite_check_and_unscale_([memory[a:b] for a, b in spans], found,
+                                          inv.to(triton_device), backend="triton")
+        torch._amp_foreach_non_finite_check_and_unscale_([expected[a:b] for a, b in spans],
+                                                         torch.zeros(()), inv)
+        assert_same(memory.cpu(), expected)
+        assert found.item() == 0.0
+
+
 def test_found_inf_is_sticky_and_never_cleared(backend):
     grads = _grads([100], torch.float32)
     found = torch.ones(())

@@ -81,16 +81,22 @@ def test_consecutive_hysteresis_backoff_matches_deepspeed(backend, delayed_shift
         assert scale.item() == peer.cur_scale
 
 
-def test_min_and_max_scale(backend):
-    scale, tracker = _state(8.0)
-    for _ in range(10):
-        ops.update_scale_(scale, tracker, torch.ones(()), 2.0, 0.5, 1, min_scale=2.0,
-                          backend=backend)
-    assert scale.item() == 2.0
-    for _ in range(10):
-        ops.update_scale_(scale, tracker, torch.zeros(()), 2.0, 0.5, 1, max_scale=100.0,
-                          backend=backend)
-    assert scale.item() == 100.0
+@pytest.mark.parametrize("init, min_scale, max_scale", [
+    (8.0, 2.0, 100.0),  # powers of two: backed-off and grown scales land on the bounds' halves
+    (3.0, 2.0, 5.0),  # 1.5 is floored to 2.0 (above half the floor), 8.0 capped at 5.0
+    (1000.0, 300.0, 1500.0),
+])
+def test_min_and_max_scale(backend, init, min_scale, max_scale):
+    """Each step's scale: ``max(scale * backoff, min_scale)`` after an overflow, ``min(scale *
+    growth, max_scale)`` at the growth interval (Megatron's and DeepSpeed's rule), checked
+    after every step, with bounds a backed-off or grown scale crosses by less than a factor."""
+    scale, tracker = _state(init)
+    expected = init
+    for found in [1.0] * 6 + [0.0] * 6 + [1.0, 0.0, 2.0, 1.0, 0.0, 0.0, 0.0]:
+        ops.update_scale_(scale, tracker, torch.tensor(found), 2.0, 0.5, 1,
+                          min_scale=min_scale, max_scale=max_scale, backend=backend)
+        expected = max(expected * 0.5, min_scale) if found else min(expected * 2.0, max_scale)
+        assert scale.item() == expected
 
 
 @pytest.mark.parametrize("init", [-1.0, -3.0e-30, -65536.0])
