@@ -122,6 +122,13 @@ class ScalerStateMixin:
         slots)."""
         return state.get("found_inf_index", 0) if agreed is state.get("found_inf_slot") else 0
 
+    def _rezero_written_padding(self) -> None:
+        """Zero again the bucket padding that this iteration's unscale may have turned into
+        NaN (see :meth:`StepMixin._note_written_padding`): one fill per such bucket."""
+        for state in self._per_optimizer_states.values():
+            for buffer, padding in state.pop("written_padding", ()):
+                buffer.index_fill_(0, padding, 0)
+
     def _reset_iteration(self) -> None:
         """Forget this iteration's per-optimizer states; the flags are zero again."""
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)

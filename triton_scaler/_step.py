@@ -66,6 +66,18 @@ class StepMixin:
             state["found_inf_host"] = (*copy_to_host_async(span), index)
         return agreed
 
+    def _note_written_padding(self, optimizer: torch.optim.Optimizer, groups: list) -> None:
+        """Remember the gradient buckets an unscale wrote in this iteration. A bucket's
+        alignment padding (zeros, in no grad) times an ``inv_scale`` that is not finite (a
+        scale of 0, NaN, or below 2**-128, where its float32 reciprocal overflows) becomes
+        NaN, and every later iteration would find it: ``update()`` zeroes the padding again
+        (:meth:`_rezero_written_padding`), unless the plain route's host read saw no overflow (then
+        ``inv_scale`` was finite and the padding is still zero: no launch)."""
+        written = [(group.grads[0], group.padding) for group in groups
+                   if group.padding is not None]
+        if written:
+            self._per_optimizer_states[id(optimizer)]["written_padding"] = written
+
     def _step_reads_found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``step`` will read found_inf on the host: not for fused optimizers (they
         skip on the device), nor when overflows never skip. Only then does ``unscale_`` start
@@ -96,6 +108,7 @@ class StepMixin:
             values, index = self._host_read_span(optimizer_state, agreed)
         values = values.tolist()  # the one host sync of the plain route, as torch
         if not values[index]:
+            optimizer_state.pop("written_padding", None)  # no overflow: padding still zero
             return optimizer.step(*args, **kwargs)
         self._warn_if_underflowed(values[0])
         return None

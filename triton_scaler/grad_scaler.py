@@ -146,6 +146,8 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
                 ops.unscale_group_(group.grads, per_device_found_inf.get(device),
                                    per_device_inv_scale.get(device), self._backend, write,
                                    from_scale=from_scale, group=group)
+            if write:
+                self._note_written_padding(optimizer, groups)
             if mesh_groups:
                 agree_over_meshes(per_device_found_inf._per_device_tensors, mesh_groups)
         finally:
@@ -195,6 +197,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         if self._overrides_unscale_grads():  # as torch: an unscale by 1.0 through the override
             ones = torch.ones((), dtype=torch.float32, device=self._scale.device)
             state["found_inf_per_device"] = self._unscale_grads_(optimizer, ones, found_inf, True)
+            state.pop("written_padding", None)  # times 1.0: the padding is still zero
         else:
             state["found_inf_per_device"] = self._unscale_or_check(optimizer, None, found_inf,
                                                                    True, write=False)
@@ -237,6 +240,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         if not self._enabled:
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
+        self._rezero_written_padding()
         if new_scale is not None:
             if not isinstance(new_scale, torch.Tensor):  # torch's checks for a tensor
                 new_scale = check_scale_value("new_scale", new_scale, self._policy)

@@ -1,0 +1,91 @@
+"""A gradient bucket's alignment padding after an unscale by an ``inv_scale`` that is not finite.
+
+A scale of 0, NaN or below 2**-128 (reached by backing off with torch's default
+``min_scale=0``, or set with ``update(new_scale=tensor)``) has no finite float32 reciprocal:
+the unscale turns the padding's zeros into NaN (0 * inf). The step is skipped either way, but
+a padding left NaN would be found again in every later iteration, also after the user resets
+the scale: every step skipped from then on, where torch's scaler recovers. Both backends,
+against torch's scaler without buckets, compared exactly."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from _util import assert_all_same
+
+from triton_scaler import GradBuckets, GradScaler
+
+RESET_SCALE = 1024.0
+
+
+def _train(scaler, *, buckets: bool, route: str, zero: str, bad_scale: float):
+    """Six iterations; after the second the scale is set to ``bad_scale``, and after the
+    third (an overflow, unscaled by a reciprocal that is not finite) back to ``RESET_SCALE``.
+    Returns
+    the scale after each iteration and the parameters."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 33, 130)]
+    params.append(torch.nn.Parameter(torch.randn(5).bfloat16()))  # a bf16 bucket: 8 per row
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=route == "fused_after_unscale")
+    grad_buckets = GradBuckets(opt) if buckets else None
+    gen = torch.Generator().manual_seed(1)
+    trajectory = []
+    for it in range(6):
+        loss = sum((p.float() * torch.randn(p.shape, generator=gen)).sum() for p in params)
+        # the iteration with the bad scale also overflows: torch's op checks only its inputs
+        # and would step with the products' NaN (triton_scaler skips: see the README)
+        scaler.scale(loss * (math.inf if it == 2 else 1.0)).backward()
+        if route != "plain":
+            scaler.unscale_(opt)
+        if route != "unscale_without_step" or it != 2:
+            scaler.step(opt)
+        new_scale = {1: torch.tensor(bad_scale), 2: RESET_SCALE}.get(it)
+        scaler.update(new_scale)
+        trajectory.append(scaler.get_scale())
+        if zero == "buckets.zero_" and grad_buckets is not None:
+            grad_buckets.zero_()
+        else:
+            opt.zero_grad(set_to_none=zero == "set_to_none=True")
+    return trajectory, [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("bad_scale", [0.0, 2.0**-130, math.nan], ids=["0", "2^-130", "nan"])
+@pytest.mark.parametrize("route", ["plain", "fused_after_unscale", "unscale_without_step"])
+@pytest.mark.parametrize("zero", ["buckets.zero_", "set_to_none=False", "set_to_none=True"])
+def test_training_recovers_as_torchs_after_the_scale_is_reset(backend, bad_scale, route, zero):
+    kwargs = dict(init_scale=2.0**12, growth_interval=2)
+    expected = _train(torch.amp.GradScaler("cpu", **kwargs), buckets=False, route=route,
+                      zero=zero, bad_scale=bad_scale)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # set_to_none=True with buckets warns once
+        actual = _train(GradScaler("cpu", backend=backend, **kwargs), buckets=True,
+                        route=route, zero=zero, bad_scale=bad_scale)
+    after_reset = expected[0][2:]  # torch's: no more overflows, the scale grows
+    assert after_reset[0] == RESET_SCALE and after_reset == sorted(after_reset) and \
+        after_reset[-1] > RESET_SCALE
+    assert actual[0][:1] + actual[0][2:] == expected[0][:1] + expected[0][2:]
+    assert math.isnan(bad_scale) or actual[0][1] == expected[0][1]
+    assert_all_same(actual[1], expected[1])
+
+
+def test_padding_is_rezeroed_only_when_the_step_may_have_written_nan(backend, monkeypatch):
+    """No fill in an iteration whose host read saw no overflow (the padding is still zero);
+    one per bucket after an overflow, and after an unscale with no host read to tell."""
+    fills = []
+    original = torch.Tensor.index_fill_
+    monkeypatch.setattr(torch.Tensor, "index_fill_",
+                        lambda self, *a: fills.append(self.numel()) or original(self, *a))
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 33)]
+    for fused, overflow, expected in ((False, False, 0), (False, True, 1), (True, False, 1)):
+        opt = torch.optim.AdamW(params, lr=1e-2, fused=fused)
+        grad_buckets = GradBuckets(opt)
+        scaler = GradScaler("cpu", backend=backend)
+        fills.clear()
+        scaler.scale(sum(p.sum() for p in params) * (math.inf if overflow else 1.0)).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        assert len(fills) == expected, (fused, overflow)
+        grad_buckets.release()
+        grad_buckets.zero_()
