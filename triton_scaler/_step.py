@@ -71,8 +71,8 @@ class StepMixin:
         alignment padding (zeros, in no grad) times an ``inv_scale`` that is not finite (a
         scale of 0, NaN, or below 2**-128, where its float32 reciprocal overflows) becomes
         NaN, and every later iteration would find it: ``update()`` zeroes the padding again
-        (:meth:`_rezero_written_padding`), unless the plain route's host read saw no overflow (then
-        ``inv_scale`` was finite and the padding is still zero: no launch)."""
+        (:meth:`_rezero_written_padding`), unless the plain route's host read saw no
+        overflow (then ``inv_scale`` was finite and the padding is still zero: no launch)."""
         written = [(group.grads[0], group.padding) for group in groups
                    if group.padding is not None]
         if written:
