@@ -19,20 +19,23 @@ from triton_scaler import GradBuckets, GradScaler
 RESET_SCALE = 1024.0
 
 
-def _train(scaler, *, buckets: bool, route: str, zero: str, bad_scale: float):
+def _train(scaler, *, buckets: bool, route: str, zero: str, bad_scale: float,
+           device: str = "cpu"):
     """Six iterations; after the second the scale is set to ``bad_scale``, and after the
     third (an overflow, unscaled by a reciprocal that is not finite) back to ``RESET_SCALE``.
     Returns
     the scale after each iteration and the parameters."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 33, 130)]
-    params.append(torch.nn.Parameter(torch.randn(5).bfloat16()))  # a bf16 bucket: 8 per row
+    params = [torch.nn.Parameter(torch.randn(n).to(device)) for n in (7, 33, 130)]
+    if device == "cpu":  # a bf16 bucket too (torch's CUDA op takes no bf16 grads)
+        params.append(torch.nn.Parameter(torch.randn(5).bfloat16()))
     opt = torch.optim.AdamW(params, lr=1e-2, fused=route == "fused_after_unscale")
     grad_buckets = GradBuckets(opt) if buckets else None
     gen = torch.Generator().manual_seed(1)
     trajectory = []
     for it in range(6):
-        loss = sum((p.float() * torch.randn(p.shape, generator=gen)).sum() for p in params)
+        loss = sum((p.float() * torch.randn(p.shape, generator=gen).to(device)).sum()
+                   for p in params)
         # the iteration with the bad scale also overflows: torch's op checks only its inputs
         # and would step with the products' NaN (triton_scaler skips: see the README)
         scaler.scale(loss * (math.inf if it == 2 else 1.0)).backward()
@@ -40,7 +43,7 @@ def _train(scaler, *, buckets: bool, route: str, zero: str, bad_scale: float):
             scaler.unscale_(opt)
         if route != "unscale_without_step" or it != 2:
             scaler.step(opt)
-        new_scale = {1: torch.tensor(bad_scale), 2: RESET_SCALE}.get(it)
+        new_scale = {1: torch.tensor(bad_scale, device=device), 2: RESET_SCALE}.get(it)
         scaler.update(new_scale)
         trajectory.append(scaler.get_scale())
         if zero == "buckets.zero_" and grad_buckets is not None:
@@ -66,6 +69,16 @@ def test_training_recovers_as_torchs_after_the_scale_is_reset(backend, bad_scale
         after_reset[-1] > RESET_SCALE
     assert actual[0][:1] + actual[0][2:] == expected[0][:1] + expected[0][2:]
     assert math.isnan(bad_scale) or actual[0][1] == expected[0][1]
+    assert_all_same(actual[1], expected[1])
+
+
+@pytest.mark.parametrize("route", ["plain", "fused_after_unscale"])
+def test_training_recovers_as_torchs_on_the_gpu(cuda, route):
+    kwargs = dict(init_scale=2.0**12, growth_interval=2)
+    args = dict(route=route, zero="set_to_none=False", bad_scale=0.0, device="cuda")
+    expected = _train(torch.amp.GradScaler("cuda", **kwargs), buckets=False, **args)
+    actual = _train(GradScaler("cuda", backend="triton", **kwargs), buckets=True, **args)
+    assert actual[0] == expected[0]
     assert_all_same(actual[1], expected[1])
 
 
