@@ -82,7 +82,7 @@ def test_consecutive_hysteresis_backoff_matches_deepspeed(backend, delayed_shift
 
 
 @pytest.mark.parametrize("init, min_scale, max_scale", [
-    (8.0, 2.0, 100.0),  # powers of two: backed-off and grown scales land on the bounds' halves
+    (8.0, 2.0, 100.0),  # the floor reached exactly (4 -> 2 -> floored 1), the cap at 128
     (3.0, 2.0, 5.0),  # 1.5 is floored to 2.0 (above half the floor), 8.0 capped at 5.0
     (1000.0, 300.0, 1500.0),
 ])
