@@ -84,21 +84,25 @@ def test_training_recovers_as_torchs_on_the_gpu(cuda, route):
 
 def test_padding_is_rezeroed_only_when_the_step_may_have_written_nan(backend, monkeypatch):
     """No fill in an iteration whose host read saw no overflow (the padding is still zero);
-    one per bucket after an overflow, and after an unscale with no host read to tell."""
+    one per bucket after an overflow, and after an unscale with no host read to tell. The
+    same for ``clip_grad_norm_`` (its write pass: an unscale times the clip coefficient)."""
     fills = []
     original = torch.Tensor.index_fill_
     monkeypatch.setattr(torch.Tensor, "index_fill_",
                         lambda self, *a: fills.append(self.numel()) or original(self, *a))
     params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 33)]
-    for fused, overflow, expected in ((False, False, 0), (False, True, 1), (True, False, 1)):
+    cases = [(clip, fused, overflow, expected) for clip in (False, True)
+             for fused, overflow, expected in ((False, False, 0), (False, True, 1),
+                                               (True, False, 1))]
+    for clip, fused, overflow, expected in cases:
         opt = torch.optim.AdamW(params, lr=1e-2, fused=fused)
         grad_buckets = GradBuckets(opt)
         scaler = GradScaler("cpu", backend=backend)
         fills.clear()
         scaler.scale(sum(p.sum() for p in params) * (math.inf if overflow else 1.0)).backward()
-        scaler.unscale_(opt)
+        scaler.clip_grad_norm_(opt, 1.0) if clip else scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
-        assert len(fills) == expected, (fused, overflow)
+        assert len(fills) == expected, (clip, fused, overflow)
         grad_buckets.release()
         grad_buckets.zero_()

@@ -66,8 +66,9 @@ class GradBucket:
         covered = torch.zeros(total, dtype=torch.bool)
         for p, (_, _, offset) in zip(params, self._layout):
             covered[offset:offset + p.numel()] = True
-        # the alignment padding: zero, and kept zero after a write that may not keep it
-        # (clip_grad_norm_: 0 * a NaN clip coefficient), or found_inf would stay set
+        # the alignment padding: zero, and zeroed again by the scaler's update() after a
+        # write that may not keep it (0 * an infinite inv_scale or a NaN clip coefficient),
+        # or found_inf would stay set
         self.padding = (~covered).nonzero().flatten().to(self.device) if not covered.all() \
             else None
         self.param_ids = frozenset(id(p) for p in params)

@@ -72,8 +72,6 @@ def _apply_coef(group, found_inf, scale, coef, write_pass: bool) -> None:
                                         clip_coef=coef, inv_from_scale=True)
     else:
         torch._foreach_mul_(group.grads, coef)
-    if group.padding is not None:  # a bucket: 0 * a NaN coefficient must not stay there
-        group.grads[0].index_fill_(0, group.padding, 0)
 
 
 def _clip_unscaled(params, max_norm: float, norm_type: float, shard_group: Any,
@@ -222,6 +220,9 @@ class ClipMixin:
                 dev = group.device
                 _apply_coef(group, found_for.get(dev), scale_for.get(dev), coef.to(dev),
                             write_pass)
+            # a bucket's padding times a NaN coefficient (a non-finite norm: an overflow) or
+            # an infinite inv_scale is NaN: zeroed again in update() after an overflow
+            self._note_written_padding(optimizer, groups)
             for bucket in buckets_of(optimizer):
                 bucket.buffer_rewritten()
             if mesh_groups:
