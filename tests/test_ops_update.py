@@ -29,8 +29,9 @@ def test_matches_torch_over_random_steps(backend, growth, backoff, interval, ini
         found = torch.tensor(float(torch.rand((), generator=gen) < 0.2), dtype=torch.float32)
         if step % 97 == 5:
             found = torch.tensor(2.0)  # torch's scaler passes sums over devices
-        ops.update_scale_(*ours, found, growth, backoff, interval, backend=backend)
-        torch._amp_update_scale_(*theirs, found, growth, backoff, interval)
+        returned = ops.update_scale_(*ours, found, growth, backoff, interval, backend=backend)
+        assert returned is ours[0]  # as torch's op, which returns its scale argument
+        assert torch._amp_update_scale_(*theirs, found, growth, backoff, interval) is theirs[0]
         assert_same(ours[0], theirs[0])
         assert_same(ours[1], theirs[1])
 

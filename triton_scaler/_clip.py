@@ -100,7 +100,7 @@ class ClipMixin:
     """``clip_grad_norm_`` of :class:`triton_scaler.GradScaler`."""
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,
-                        norm_type: float = 2.0, error_if_nonfinite: bool = False, *,
+                        norm_type: float | str = 2.0, error_if_nonfinite: bool = False, *,
                         sharded: bool | None = None) -> torch.Tensor:
         """Unscale the optimizer's grads and clip them by their total norm, in one read pass
         and one read + write pass (torch's ``unscale_`` + ``clip_grad_norm_`` make five).
@@ -108,9 +108,9 @@ class ClipMixin:
         Counts as this iteration's :meth:`unscale_` for ``optimizer`` (``step`` skips on
         overflow; a later ``unscale_`` raises, as torch). Returns the total norm of the
         unscaled grads as a 0-d float32 tensor on the scale's device, accumulated in float32
-        (also for bf16 / fp16 grads). ``norm_type`` 2 and ``inf`` run fused; other ``p > 0`` run
-        as ``unscale_`` + a clip, as does a subclass that overrides ``_unscale_grads_``. No
-        host sync, except ``error_if_nonfinite=True`` (one read).
+        (also for bf16 / fp16 grads). ``norm_type`` 2 and ``inf`` (or ``"inf"``) run fused;
+        other ``p > 0`` run as ``unscale_`` + a clip, as does a subclass that overrides
+        ``_unscale_grads_``. No host sync, except ``error_if_nonfinite=True`` (one read).
         A disabled scaler clips with torch's ``clip_grad_norm_``. No grads: as torch, a 0
         norm and nothing recorded (``step`` then raises). Sparse grads raise, as in torch.
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
-def eager_under_compile(method):
+
+def eager_under_compile(method: _Method) -> _Method:
     """Run ``method`` eagerly when code compiled by ``torch.compile`` calls it, as dynamo does
     for ``torch.amp.GradScaler`` itself (it skips torch.amp): a graph break per call, and the
     scaler's host-side bookkeeping never traced. No cost (and no dynamo import) in eager:
@@ -21,4 +25,4 @@ def eager_under_compile(method):
 
             return disable(method, recursive=True)(*args, **kwargs)
         return method(*args, **kwargs)
-    return wrapper
+    return cast(_Method, wrapper)  # the method's own signature, for type checkers

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
@@ -99,6 +99,15 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         self._backend = backend
         self._process_group = process_group
         self._init_extension_state()
+
+    @overload  # torch's overloads: ``scaler.scale(loss).backward()`` type-checks
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
 
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]
               ) -> torch.Tensor | Iterable[torch.Tensor]:

@@ -217,8 +217,9 @@ def update_scale_(
     max_scale: float = math.inf,
     backend: Backend = "auto",
     params: torch.Tensor | None = None,
-) -> None:
-    """Update the loss scale in place from ``found_inf``, on the device.
+) -> torch.Tensor:
+    """Update the loss scale in place from ``found_inf``, on the device; returns ``scale``
+    (as torch's op).
 
     With the defaults this is ``torch._amp_update_scale_`` bit for bit: an overflow
     (``found_inf != 0``) multiplies ``scale`` by ``backoff_factor`` and zeroes
@@ -244,6 +245,7 @@ def update_scale_(
                            max_scale=max_scale)
     update_with_policy_(scale, growth_tracker, found_inf, policy,
                         hysteresis_tracker=hysteresis_tracker, backend=backend, params=params)
+    return scale
 
 
 def update_with_policy_(scale: torch.Tensor, growth_tracker: torch.Tensor,

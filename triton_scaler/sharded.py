@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -80,6 +80,15 @@ class ShardedGradScaler(GradScaler):
     @_process_group.setter
     def _process_group(self, group: Any) -> None:
         self.process_group = group
+
+    @overload  # as GradScaler.scale's
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
 
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]
               ) -> torch.Tensor | Iterable[torch.Tensor]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .._backend import check_backend
+from .._backend import Backend, check_backend
 from ..grad_scaler import GradScaler
 from ..policy import INT32_MAX, ScalePolicy, as_int, as_real, check_scale_value
 
@@ -41,7 +41,7 @@ class Amp:
     def __init__(self, num_losses: int = 1, init_scale: float = 2.0**16,
                  min_loss_scale: float | None = None, max_loss_scale: float = 2.0**24,
                  loss_scale: float | str = "dynamic", scale_window: int = 2000,
-                 backend: str = "auto") -> None:
+                 backend: Backend = "auto") -> None:
         self.num_losses = as_int("num_losses", num_losses, 1, INT32_MAX, "an int >= 1")
         check_backend(backend)
         self._dynamic = isinstance(loss_scale, str) and loss_scale == "dynamic"

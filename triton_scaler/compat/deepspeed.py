@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from .. import ops
-from .._backend import check_backend
+from .._backend import Backend, check_backend
 from ..policy import ScalePolicy, as_bool, check_scale_value
 from ._common import default_device, grads_of
 
@@ -26,10 +26,10 @@ class LossScaler:
     dynamic = False
 
     def __init__(self, scale: float = 1.0, *, device: str | torch.device | None = None,
-                 backend: str = "auto") -> None:
+                 backend: Backend = "auto") -> None:
         self._init_state(check_scale_value("scale", scale), device, backend)
 
-    def _init_state(self, scale: float, device, backend: str) -> None:
+    def _init_state(self, scale: float, device, backend: Backend) -> None:
         check_backend(backend)
         self._device = default_device(device)
         self._backend = backend
@@ -81,7 +81,7 @@ class DynamicLossScaler(LossScaler):
                  min_scale: float = 1.0, delayed_shift: int = 1,
                  consecutive_hysteresis: bool = False, raise_error_at_min_scale: bool = True,
                  dtype: torch.dtype = torch.half, *, device: str | torch.device | None = None,
-                 backend: str = "auto") -> None:
+                 backend: Backend = "auto") -> None:
         self._policy = ScalePolicy.create(
             dict(growth_factor=self.scale_factor, backoff_factor=1.0 / self.scale_factor,
                  growth_interval=scale_window, hysteresis=delayed_shift, min_scale=min_scale,

@@ -10,11 +10,12 @@ It runs as one :func:`triton_scaler.ops.update_scale_` call (backoff as a multip
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import overload
 
 import torch
 
 from .. import ops, reference
-from .._backend import check_backend
+from .._backend import Backend, check_backend
 from ..grad_scaler import GradScaler
 from ..policy import INT32_MAX, ScalePolicy, as_bool, as_int, check_scale_value
 from ._common import default_device
@@ -43,7 +44,7 @@ def _grads_finite_flag(grads_finite: object) -> torch.Tensor:
                     f"all_finite); got {type(grads_finite).__name__} {grads_finite!r}")
 
 
-def all_finite(inputs: TensorOrTuple, *, backend: str = "auto") -> torch.Tensor:
+def all_finite(inputs: TensorOrTuple, *, backend: Backend = "auto") -> torch.Tensor:
     """0-d bool tensor: every element of ``inputs`` (a tensor or tensors) is finite. No sync."""
     tensors = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
     return ops.all_finite(tensors, backend=backend)
@@ -53,7 +54,7 @@ class StaticLossScaler:
     """A fixed loss scale: ``scale`` multiplies, ``unscale`` divides; ``adjust`` does nothing."""
 
     def __init__(self, scale_value: float, *, device: str | torch.device | None = None,
-                 backend: str = "auto") -> None:
+                 backend: Backend = "auto") -> None:
         value = check_scale_value("scale_value", scale_value)
         check_backend(backend)
         self._backend = backend
@@ -65,9 +66,19 @@ class StaticLossScaler:
             return fn(inputs)
         return tuple(fn(x) for x in inputs)
 
+    @overload  # a tensor gives a tensor, a sequence of tensors a tuple
+    def scale(self, inputs: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def scale(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]: ...
+
     def scale(self, inputs: TensorOrTuple) -> TensorOrTuple:
         """``inputs * scale_value`` (out of place)."""
         return self._map(inputs, lambda x: x * self.scale_value.to(x.device))
+
+    @overload
+    def unscale(self, inputs: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def unscale(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]: ...
 
     def unscale(self, inputs: TensorOrTuple) -> TensorOrTuple:
         """``inputs`` divided by ``scale_value`` (out of place): one fused unscale over all
@@ -89,7 +100,7 @@ class DynamicLossScaler(StaticLossScaler):
     """MindSpore ``DynamicLossScaler(scale_value, scale_factor, scale_window)``."""
 
     def __init__(self, scale_value: float, scale_factor: int, scale_window: int, *,
-                 device: str | torch.device | None = None, backend: str = "auto") -> None:
+                 device: str | torch.device | None = None, backend: Backend = "auto") -> None:
         self._policy = _dynamic_policy(scale_factor, scale_window)
         super().__init__(scale_value, device=device, backend=backend)
         self.scale_factor = int(self._policy.growth_factor)

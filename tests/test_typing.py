@@ -1,0 +1,45 @@
+"""triton_scaler is typed (PEP 561: ``py.typed``): a user's type checker reads its annotations,
+so they must be right where torch's are. ``tests/_typed_user_code.py`` (user code over the
+public API, with ``assert_type`` on what each call returns) is checked with ``mypy --strict``
+against the package installed as a user installs it, outside the source tree."""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _install(target: Path, tmp_path: Path) -> None:
+    """The project built and installed into ``target`` without network, from a copy of its
+    sources (the build writes next to them)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    skip = shutil.ignore_patterns("__pycache__", "kernels")  # triton_scaler/kernels: a link
+    shutil.copytree(ROOT / "triton_scaler", src / "triton_scaler", ignore=skip)
+    shutil.copytree(ROOT / "kernels", src / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--no-build-isolation", "--disable-pip-version-check", "--target",
+                    str(target), str(src)], check=True, timeout=300)
+
+
+def test_public_api_type_checks_as_installed(tmp_path):
+    pytest.importorskip("mypy", reason="mypy checks the annotations (pip install -e '.[test]')")
+    if importlib.util.find_spec("setuptools") is None:
+        pytest.skip("building the package without network needs setuptools")
+    site = tmp_path / "site"
+    _install(site, tmp_path)
+    assert (site / "triton_scaler" / "py.typed").is_file(), "py.typed is not installed"
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--untyped-calls-exclude", "torch",
+         "--cache-dir", str(tmp_path / "mypy_cache"), str(ROOT / "tests" / "_typed_user_code.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
