@@ -106,3 +106,45 @@ def test_grad_mode_is_restored_when_unscale_raises(backend):
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
         scaler.unscale_(opt)
     assert torch.is_grad_enabled()
+
+
+def _gradient_penalty_run(scaler, *, buckets, fused):
+    """torch's AMP example "Gradient penalty": the penalty's grads come from
+    ``autograd.grad`` of the scaled loss (create_graph), unscaled by ``1 / get_scale()``, and
+    the loss plus the penalty is scaled and stepped; one step overflows. Returns the scale
+    after every update and the parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=fused)
+    if buckets:
+        triton_scaler.GradBuckets(opt)
+    gen = torch.Generator().manual_seed(2)
+    trajectory = []
+    for step in range(8):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(4, 6, generator=gen)).float().square().mean()
+        if step == 3:
+            loss = loss * float("inf")
+        scaled_grads = torch.autograd.grad(scaler.scale(loss), params, create_graph=True)
+        inv_scale = 1.0 / scaler.get_scale()
+        penalty = torch.stack([(g * inv_scale).pow(2).sum() for g in scaled_grads]).sum().sqrt()
+        scaler.scale(loss + penalty).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=not buckets)
+        trajectory.append(scaler.get_scale())
+    return trajectory, [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("buckets", [False, True], ids=["grads", "buckets"])
+def test_gradient_penalty_recipe_as_torchs(backend, buckets, fused):
+    kwargs = dict(init_scale=2.0**12, growth_interval=2)
+    expected = _gradient_penalty_run(torch.amp.GradScaler("cpu", **kwargs), buckets=False,
+                                     fused=fused)
+    actual = _gradient_penalty_run(triton_scaler.GradScaler("cpu", backend=backend, **kwargs),
+                                   buckets=buckets, fused=fused)
+    assert expected[0][3] == expected[0][2] / 2  # the overflow was seen and backed off
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])
