@@ -126,6 +126,32 @@ def test_a_parameter_replaced_by_a_new_list_leaves_its_old_grad_out(backend):
     assert _run_both(backend, build, loop) == ["ok", 8.0, 1]  # not skipped
 
 
+def test_buckets_built_after_the_first_steps_are_used_from_the_next(backend):
+    """The scaler has stepped the optimizer without buckets; GradBuckets built then must be
+    seen at the next step: a parameter that receives no gradient keeps grad None (not its
+    zeroed view), so AdamW's weight decay leaves it alone, as under torch's scaler."""
+    def build(ours):
+        params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3))]
+        return params, torch.optim.AdamW(params, lr=0.1), None
+
+    def loop(params, opt, scaler, zero_grad):
+        nones = []
+        for step in range(5):
+            if step == 2 and isinstance(scaler, GradScaler):
+                zero_grad = GradBuckets(opt).zero_
+            used = params if step < 2 else params[:1]  # the second: no gradient from step 2
+            loss = sum((p * (i + 1.0)).sum() for i, p in enumerate(used))
+            scaler.scale(loss * (math.inf if step == 3 else 1.0)).backward()
+            scaler.step(opt)
+            scaler.update()
+            nones.append([p.grad is None for p in params])
+            (zero_grad or opt.zero_grad)()
+        return [scaler.get_scale(), nones]
+
+    expected = [8.0, [[False, False]] * 2 + [[False, True]] * 3]
+    assert _run_both(backend, build, loop) == expected
+
+
 @pytest.mark.parametrize("unscale_first", [False, True])
 def test_fused_step_without_grads_steps_over_nothing_as_torch(backend, unscale_first):
     def build(ours):

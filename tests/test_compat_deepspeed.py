@@ -6,6 +6,7 @@ import pytest
 import torch
 from _peers import DeepSpeedDynamicLossScaler, overflow_bursts
 
+from triton_scaler import GradScaler
 from triton_scaler.compat.deepspeed import CreateLossScaler, DynamicLossScaler, LossScaler
 
 
@@ -40,6 +41,54 @@ def test_raises_at_min_scale_like_deepspeed(backend):
         peer.update_scale(True)
     with pytest.raises(Exception, match="already at minimum"):
         ours.update_scale(True)
+
+
+def _iterations_of(scaler):
+    """``iteration(overflow)``: one training iteration under ``scaler``, overflowing or not."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+
+    def iteration(overflow):
+        opt.zero_grad()
+        scaler.scale(p.sum() * (math.inf if overflow else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+    return iteration
+
+
+@pytest.mark.parametrize("delayed_shift", [1, 2, 3])
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize("through", ["compat", "GradScaler"])
+def test_raises_at_min_scale_with_hysteresis_like_deepspeed(backend, delayed_shift, consecutive,
+                                                            through):
+    """With hysteresis DeepSpeed raises only at an overflow that would back off (its counter
+    at 1), not at every overflow at the minimum: the compat scaler's ``update_scale`` and
+    ``GradScaler(raise_at_min_scale=True)``'s ``update()`` raise at the same step."""
+    for seed in range(4):
+        flags = overflow_bursts(60, seed, p_start=0.3)
+        peer = DeepSpeedDynamicLossScaler(2.0**3, 2.0, 1000, 1.0, delayed_shift, consecutive,
+                                          True)
+        if through == "compat":
+            ours = DynamicLossScaler(2.0**3, 1000, 1.0, delayed_shift, consecutive,
+                                     device="cpu", backend=backend)
+            update = ours.update_scale
+        else:
+            ours = GradScaler("cpu", init_scale=2.0**3, growth_interval=1000, min_scale=1.0,
+                              hysteresis=delayed_shift, consecutive_hysteresis=consecutive,
+                              raise_at_min_scale=True, backend=backend)
+            update = _iterations_of(ours)
+        raised = []
+        for step, overflow in enumerate(flags):
+            for scaler, call in ((peer, peer.update_scale), (ours, update)):
+                try:
+                    call(overflow)
+                except Exception as error:  # noqa: BLE001 - DeepSpeed raises Exception
+                    assert "already at minimum" in str(error)
+                    raised.append((step, scaler is ours))
+            if raised:
+                break
+        assert raised == [(raised[0][0], False), (raised[0][0], True)], (seed, raised)
+        assert sum(flags[:raised[0][0] + 1]) >= 3 + delayed_shift - 1  # not at the first
 
 
 def test_has_overflow_backward_and_hooks(backend):

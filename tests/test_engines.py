@@ -26,7 +26,7 @@ from _engines_features import run_buckets
 from _engines_mesh import mesh_results
 from _spawn import spawn_bounded, spawned_results, store_file_in
 
-from triton_scaler import ops
+from triton_scaler import GradScaler, ops
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -102,6 +102,18 @@ def test_other_tensor_subclasses_are_refused_by_the_triton_backend():
     found = torch.zeros(())
     ops.non_finite_check_and_unscale_([grad], found, torch.ones(()), backend="reference")
     assert found.item() == 0.0
+    for backend in ("triton", "reference"):  # through the scaler too, from its first step
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler = GradScaler("cpu", init_scale=4.0, backend=backend)
+        scaler.scale(torch.ones(()))  # (the scale is made lazily, as torch's)
+        p.grad = torch.full((3,), 8.0).as_subclass(Marked)
+        if backend == "triton":
+            with pytest.raises(TypeError, match="tensor subclass the Triton backend cannot"):
+                scaler.unscale_(opt)
+        else:
+            scaler.step(opt)
+            assert p.grad.tolist() == [2.0] * 3 and torch.equal(p.detach(), torch.full((3,), 0.8))
 
 
 def test_clip_grad_norm_is_global_with_a_process_group(backend, tmp_path):

@@ -22,7 +22,9 @@ class RecordingFusedSGD(torch.optim.SGD):
         self.seen = []
 
     def step(self, closure=None):
-        self.seen.append((self.grad_scale.clone(), self.found_inf.clone()))
+        grad_scale = self.grad_scale  # None after unscale_ (an optimizer without its own)
+        self.seen.append((grad_scale if grad_scale is None else grad_scale.clone(),
+                          self.found_inf.clone()))
 
 
 @pytest.mark.parametrize("overflow", [False, True])
@@ -39,6 +41,54 @@ def test_fused_route_gets_a_0d_found_inf_of_exactly_0_or_1(backend, overflow):
     assert grad_scale.item() == 8.0
     assert torch.equal(p.grad, torch.full((3,), 8.0 * (math.inf if overflow else 1.0)))
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_fused_route_never_skips_with_skip_on_overflow_false(backend, unscale_first):
+    """``skip_on_overflow=False``: the fused optimizer is handed found_inf = 0 at an overflow
+    and steps, as the plain route steps; the scale still backs off."""
+    results = []
+    for opt_class in (RecordingFusedSGD, lambda ps: torch.optim.SGD(ps, lr=0.1, fused=True),
+                      lambda ps: torch.optim.SGD(ps, lr=0.1)):
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = opt_class([p])
+        scaler = GradScaler("cpu", init_scale=8.0, skip_on_overflow=False, backend=backend)
+        scaler.scale(p.sum() * torch.tensor([1.0, math.inf, 1.0]).sum()).backward()
+        if unscale_first:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == 4.0 and scaler.skipped_steps == 0
+        if isinstance(opt, RecordingFusedSGD):
+            assert [f.item() for _, f in opt.seen] == [0.0]
+        else:
+            results.append(p.detach().clone())
+    assert results[0].isinf().all() and torch.equal(results[0], results[1])
+
+
+class _OwnGradScaleSGD(RecordingFusedSGD):
+    grad_scale = torch.tensor(0.25)  # the optimizer's own factor (a class attribute)
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_an_optimizers_own_grad_scale_is_multiplied_in_as_torch(backend, unscale_first):
+    """torch hands a fused optimizer that has its own ``grad_scale`` the product ``scale *
+    grad_scale``, or (after ``unscale_``) its own ``grad_scale`` alone, and deletes the
+    instance attribute after the step (the class's stays)."""
+    seen = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=8.0),
+                   GradScaler("cpu", init_scale=8.0, backend=backend)):
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = _OwnGradScaleSGD([p])
+        for _ in range(2):
+            scaler.scale(p.sum()).backward()
+            if unscale_first:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        assert opt.grad_scale is _OwnGradScaleSGD.grad_scale and "grad_scale" not in vars(opt)
+        seen.append([(g.item(), f.item()) for g, f in opt.seen])
+    assert seen[1] == seen[0] == [(0.25 if unscale_first else 2.0, 0.0)] * 2
 
 
 @pytest.mark.parametrize("name", ["adamw_fused", "sgd_fused", "adam_fused"])

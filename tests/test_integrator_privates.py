@@ -56,6 +56,27 @@ def test_private_calls_match_torch(backend, dtype, special, where):
     assert ours[1] == [(torch.device("cpu"), 0.0 if special is None else 1.0)]
 
 
+@pytest.mark.parametrize("dtype, overflows", [(torch.float16, True), (torch.float32, False)])
+def test_uncoalesced_sparse_grads_are_checked_as_torch(backend, dtype, overflows):
+    """A sparse grad with repeated indices (an embedding looked up twice): torch coalesces an
+    fp16 one before checking it (the sums of its duplicates can overflow where no value
+    does: 40000 + 40000 > 65504) and leaves the coalesced grad on the parameter; other dtypes
+    are checked as they are. ``_unscale_grads_`` with fp16 allowed, as fairscale's."""
+    results = []
+    for scaler in (torch.amp.GradScaler("cpu"), GradScaler("cpu", backend=backend)):
+        p = torch.nn.Parameter(torch.zeros(5, 2, dtype=dtype))
+        p.grad = torch.sparse_coo_tensor([[1, 3, 1]], torch.full((3, 2), 40000.0, dtype=dtype),
+                                         (5, 2), check_invariants=True)
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        found_inf = torch.zeros(())
+        per_device = scaler._unscale_grads_(opt, torch.ones(()), found_inf, True)
+        results.append((_values(per_device), p.grad.is_coalesced(), p.grad.to_dense()))
+    theirs, ours = results
+    assert ours[:2] == theirs[:2] == ([(torch.device("cpu"), float(overflows))], overflows)
+    assert_all_same([ours[2]], [theirs[2]])
+
+
 def _fp16_unscaling(base):
     """A subclass of ``base`` that unscales fp16 grads, as fairscale's and fairseq's do, and
     records how it is called."""

@@ -293,20 +293,25 @@ def test_no_grad_is_kept_alive_between_steps(backend):
         assert all(r() is None for r in refs)
 
 
-def test_reused_plans_follow_the_scaler_not_the_optimizer():
+def test_reused_plans_follow_the_scaler_not_the_optimizer(monkeypatch):
     """Two scalers with different backends on one optimizer share its cached layout and
-    launch plans: each backend gets what it needs (the reference path, the grads)."""
+    launch plans: each backend gets what it needs (the reference path, the grads), and a
+    reference scaler launches no kernel from the Triton scaler's stored plans."""
     if os_interpreter_missing():
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    results = []
-    for scalers in (["torch"] * 4, ["triton", "reference", "triton", "reference"]):
-        params, opt = _setup(4, buckets=False)
-        for name in scalers:
-            scaler = (torch.amp.GradScaler("cpu", init_scale=8.0) if name == "torch"
-                      else GradScaler("cpu", init_scale=8.0, backend=name))
-            opt.zero_grad(set_to_none=False)
-            scaler.scale(sum(p.square().sum() for p in params)).backward()
-            scaler.step(opt)
-            scaler.update()
-        results.append([p.detach().clone() for p in params])
+    results, launches = [], []
+    with _launches(monkeypatch) as counts:
+        for scalers in (["torch"] * 5, ["triton", "triton", "reference", "triton", "reference"]):
+            params, opt = _setup(4, buckets=False)
+            for name in scalers:
+                scaler = (torch.amp.GradScaler("cpu", init_scale=8.0) if name == "torch"
+                          else GradScaler("cpu", init_scale=8.0, backend=name))
+                opt.zero_grad(set_to_none=False)
+                scaler.scale(sum(p.square().sum() for p in params)).backward()
+                counts.clear()
+                scaler.step(opt)
+                launches.append(counts["unscale"])
+                scaler.update()
+            results.append([p.detach().clone() for p in params])
+    assert launches[5:] == [1, 1, 0, 1, 0]  # the second step reuses its stored plans
     assert_all_same(results[1], results[0])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from _util import assert_all_same, view_in
 
-from triton_scaler import GradBuckets, GradScaler, _stored_plans, kernels
+from triton_scaler import GradBuckets, GradScaler, _grads, _stored_plans, kernels
 
 
 def _guards_of_another_signature(*grads, **kwargs):
@@ -97,9 +97,15 @@ def _train_converting(scaler, steps=5, convert_at=2):
     return scaler.get_scale(), [p.detach().clone() for p in params]
 
 
-def test_parameters_converted_in_place_at_the_same_addresses(backend):
+def test_parameters_converted_in_place_at_the_same_addresses(backend, monkeypatch):
+    """... and from the step after the conversion the grads are grouped as bf16 without the
+    per-parameter path (the layout is rebuilt once, not found stale at every step)."""
+    slow = []
+    groups_slow = _grads._groups_slow
+    monkeypatch.setattr(_grads, "_groups_slow", lambda *a: slow.append(1) or groups_slow(*a))
     kwargs = dict(init_scale=2.0**8, growth_interval=2)
     _assert_matches_torch(_train_converting, backend, **kwargs)
+    assert len(slow) == 1  # at the conversion's step only
 
 
 @pytest.mark.parametrize("sizes", [(0, 5, 9), (0, 0, 7, 3), (4, 0, 6)])
