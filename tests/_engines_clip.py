@@ -91,6 +91,46 @@ def mixed_placements(kind, backend, norm_type, mesh_shape=(2,)):
     return total, [p.grad.full_tensor() for p in params], fulls
 
 
+def _shards_and_a_dtensor(rank, backend, norm_type):
+    """``clip_grad_norm_(sharded=True)`` over plain grads that are shards of one gradient
+    (summed over the group, FSDP1-style) beside a DTensor grad (its norm reduced over its
+    mesh, counted once). No clipping (a large ``max_norm``): the total alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from triton_scaler import GradScaler
+
+    mesh = init_device_mesh("cpu", (2,))
+    gen = torch.Generator().manual_seed(rank + 20)
+    plain = [torch.nn.Parameter(torch.zeros(n)) for n in (3 + rank, 50)]
+    targets = [torch.randn(p.shape, generator=gen) for p in plain]
+    full = torch.randn(6, 2, generator=torch.Generator().manual_seed(5)) * 3  # every rank's
+    shard = torch.nn.Parameter(distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)]))
+    opt = torch.optim.SGD(plain + [shard], lr=0.1)
+    scaler = GradScaler("cpu", init_scale=4.0, backend=backend, process_group=dist.group.WORLD)
+    scaler.scale(sum((p * t).sum() for p, t in zip(plain, targets))).backward()
+    scaler.scale((shard * distribute_tensor(full, mesh, [Shard(0)])).sum()).backward()
+    total = scaler.clip_grad_norm_(opt, 1e6, norm_type, sharded=True)
+    return {"total": total, "targets": targets, "full": full}
+
+
+def _a_rank_without_grads(rank, backend):
+    """Rank 1 holds no grad at the clip; rank 0's is NaN: rank 1 still joins the norm's and
+    found_inf's reductions (with 0), and both ranks skip the step and back off."""
+    from triton_scaler import GradScaler
+
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler = GradScaler("cpu", init_scale=4.0, backend=backend, process_group=dist.group.WORLD)
+    loss = scaler.scale(param.sum() * math.nan)
+    if rank == 0:
+        loss.backward()
+    total = scaler.clip_grad_norm_(opt, 1.0, sharded=True)
+    scaler.step(opt)
+    scaler.update()
+    return total.isnan().item(), scaler.get_scale(), param.detach().clone()
+
+
 def _sharded_errors(backend):
     """With a process_group and plain grads, ``sharded`` must say whether they are shards."""
     from triton_scaler import GradScaler
@@ -150,6 +190,10 @@ def run_clip(rank, world_size, store_file, backend, out_dir):
             total = scaler.clip_grad_norm_(opt, 1.0, norm_type, sharded=True)
             results[norm_type, enabled] = {"total": total, "targets": targets,
                                            "grads": [p.grad.clone() for p in params]}
+        for norm_type in (2.0, math.inf):
+            results["with_a_dtensor", norm_type] = _shards_and_a_dtensor(rank, backend,
+                                                                         norm_type)
+        results["a_rank_without_grads"] = _a_rank_without_grads(rank, backend)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:

@@ -129,6 +129,17 @@ def test_clip_grad_norm_is_global_with_a_process_group(backend, tmp_path):
         for r in ranks:
             for grad, target in zip(r[case]["grads"], r[case]["targets"]):
                 assert torch.equal(grad, target * coef)  # targets * 4 / 4 is exact
+    for norm_type in (2.0, math.inf):  # plain shards and a DTensor grad (counted once)
+        case = "with_a_dtensor", norm_type
+        every = torch.cat([t.double().reshape(-1) for r in ranks for t in r[case]["targets"]]
+                          + [ranks[0][case]["full"].double().reshape(-1)])
+        expected = torch.linalg.vector_norm(every, norm_type).item()
+        totals = [r[case]["total"] for r in ranks]
+        assert torch.equal(totals[0], totals[1])
+        assert abs(totals[0].item() - expected) <= 1e-6 * expected, case
+    for r in ranks:
+        nan_norm, scale, param = r["a_rank_without_grads"]
+        assert nan_norm and scale == 2.0 and torch.equal(param, torch.ones(3))
 
 
 def _clip_engine_results(backend, tmp_path_factory, engine=None):
