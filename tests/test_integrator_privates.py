@@ -77,6 +77,29 @@ def test_uncoalesced_sparse_grads_are_checked_as_torch(backend, dtype, overflows
     assert_all_same([ours[2]], [theirs[2]])
 
 
+def test_a_check_after_the_grads_are_mended_starts_from_zero_as_torchs(backend):
+    """``unscale_`` finds an inf; the integrator mends the grad and checks again with
+    ``_check_inf_per_device``: as torch's, that check starts from a zero found_inf, so the
+    step is taken and the scale grows on schedule."""
+    results = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1),
+                   GradScaler("cpu", init_scale=8.0, growth_interval=1, backend=backend)):
+        params = _params(torch.float32, math.inf, (1, 3))
+        opt = torch.optim.SGD(params, lr=0.1)
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        scaler.unscale_(opt)
+        first = _values(scaler._per_optimizer_states[id(opt)]["found_inf_per_device"])
+        params[1].grad.nan_to_num_(posinf=0.0)
+        checked = _values(scaler._check_inf_per_device(opt))
+        scaler.step(opt)
+        scaler.update()
+        results.append((first, checked, scaler.get_scale(), [p.detach() for p in params]))
+    theirs, ours = results
+    assert ours[:3] == theirs[:3] == ([(torch.device("cpu"), 1.0)],
+                                      [(torch.device("cpu"), 0.0)], 16.0)
+    assert_all_same(ours[3], theirs[3])
+
+
 def _fp16_unscaling(base):
     """A subclass of ``base`` that unscales fp16 grads, as fairscale's and fairseq's do, and
     records how it is called."""
