@@ -237,6 +237,23 @@ def test_import_does_not_import_triton():
     assert triton_scaler.__version__
 
 
+def test_a_checkpoint_loaded_mid_run_sets_the_hysteresis_tracker_in_place(backend):
+    """Loaded into a scaler that has already stepped (its device state exists), the saved
+    tracker is the one the next overflow decrements: saved at 1, that overflow backs off."""
+    saver = GradScaler("cpu", init_scale=64.0, hysteresis=3, backend=backend)
+    p, opt = _setup(saver)
+    for overflow in (False, True, True):  # the tracker: 3, 2, 1
+        _overflow_step(saver, p, opt, overflow)
+    state = saver.state_dict()
+    assert state["_hysteresis_tracker"] == 1 and state["scale"] == 64.0
+    scaler = GradScaler("cpu", init_scale=64.0, hysteresis=3, backend=backend)
+    p, opt = _setup(scaler)
+    _overflow_step(scaler, p, opt, False)  # its tracker stays 3
+    scaler.load_state_dict(state)
+    _overflow_step(scaler, p, opt, True)
+    assert scaler.get_scale() == 32.0 and scaler.state_dict()["_hysteresis_tracker"] == 0
+
+
 def test_state_dict_keys_are_torchs_plus_the_extensions():
     from triton_scaler._state import EXTENSION_KEYS
 

@@ -229,6 +229,21 @@ def test_scale_underflow_warns_once(backend, fused):
     assert len(underflow) == 1 and "min_scale" in str(underflow[0].message)
 
 
+def test_a_loaded_checkpoint_rearms_the_underflow_warning(backend):
+    """After ``load_state_dict`` (a good scale again), a new underflow warns again."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = GradScaler("cpu", init_scale=2.0**-126, backend=backend)
+    good = GradScaler("cpu", init_scale=2.0**-126).state_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            _overflowing_step(scaler, p, opt)  # 2**-127: underflowed, warned
+            scaler.get_scale()
+            scaler.load_state_dict(good)
+    assert len([w for w in caught if "underflowed" in str(w.message)]) == 2
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(init_scale=1e-45), "init_scale must be a finite number > 0"),
     (dict(init_scale=2.0**128), "init_scale must be a finite number > 0"),
