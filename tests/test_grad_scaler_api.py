@@ -252,6 +252,11 @@ def test_a_checkpoint_loaded_mid_run_sets_the_hysteresis_tracker_in_place(backen
     scaler.load_state_dict(state)
     _overflow_step(scaler, p, opt, True)
     assert scaler.get_scale() == 32.0 and scaler.state_dict()["_hysteresis_tracker"] == 0
+    # torch's dict has no tracker: this scaler's is kept (here 1 again), not refilled
+    scaler.load_state_dict(state)
+    scaler.load_state_dict(torch.amp.GradScaler("cpu", init_scale=16.0).state_dict())
+    _overflow_step(scaler, p, opt, True)
+    assert scaler.get_scale() == 8.0
 
 
 def test_state_dict_keys_are_torchs_plus_the_extensions():
