@@ -225,16 +225,6 @@ def test_grads_argument_forms(backend):
     assert not ops.all_finite(iter([torch.tensor([math.nan])]), backend=backend).item()
 
 
-def test_the_check_names_a_grad_off_found_infs_device_or_sparse(backend):
-    found, one = torch.zeros(()), torch.ones(())
-    with pytest.raises(ValueError, match=r"grads\[1\] is on meta but found_inf is on cpu"):
-        ops.non_finite_check_([torch.ones(2), torch.ones(2, device="meta")], found, one,
-                              backend=backend)
-    for op in (ops.non_finite_check_, ops.non_finite_check_and_unscale_):
-        with pytest.raises(TypeError, match=r"grads\[0\] is sparse; pass its ._values\(\)"):
-            op([torch.ones(2).to_sparse()], found, one, backend=backend)
-
-
 @pytest.mark.parametrize("alias", ["same", "transpose", "prefix"])
 def test_aliased_grads_are_unscaled_once(backend, alias):
     """torch unscales memory shared by two grads twice (a torch bug); we unscale it once.

@@ -5,7 +5,10 @@ A scale of 0, NaN or below 2**-128 (reached by backing off with torch's default
 the unscale turns the padding's zeros into NaN (0 * inf). The step is skipped either way, but
 a padding left NaN would be found again in every later iteration, also after the user resets
 the scale: every step skipped from then on, where torch's scaler recovers. Both backends,
-against torch's scaler without buckets, compared exactly."""
+against torch's scaler without buckets, compared exactly.
+
+The same for the views of parameters that received no gradient, multiplied by a NaN clip
+coefficient."""
 
 import math
 import warnings
@@ -106,3 +109,39 @@ def test_padding_is_rezeroed_only_when_the_step_may_have_written_nan(backend, mo
         assert len(fills) == expected, (clip, fused, overflow)
         grad_buckets.release()
         grad_buckets.zero_()
+
+
+@pytest.mark.filterwarnings("ignore:1 gradient\\(s\\) are no longer views")  # set_to_none
+@pytest.mark.parametrize("zero", ["set_to_none=False", "set_to_none=True"])
+def test_a_nan_norm_leaves_no_nan_in_the_view_of_a_parameter_without_a_gradient(backend, zero):
+    """A NaN grad makes the clip coefficient NaN, and the clip's pass over a bucket multiplies
+    the views of parameters that received no gradient too (``0 * NaN``). Zeroed with the
+    optimizer's ``zero_grad`` (not ``GradBuckets.zero_``, which fills whole buckets), those
+    views must not turn the next clean iterations into overflows: training goes on as torch's
+    ``unscale_`` + ``clip_grad_norm_`` without buckets."""
+    scales, results = [], []
+    for ours in (True, False):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 3)]
+        opt = torch.optim.SGD(params, lr=0.1)
+        if ours:
+            GradBuckets(opt)
+            scaler = GradScaler("cpu", init_scale=8.0, backend=backend)
+        else:
+            scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        for step in range(3):  # the second parameter never receives a gradient
+            scaler.scale(params[0].sum() * (math.nan if step == 0 else 1.0)).backward()
+            if ours:
+                total = scaler.clip_grad_norm_(opt, 1.0)
+            else:
+                scaler.unscale_(opt)
+                total = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            assert total.isnan().item() == (step == 0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=zero == "set_to_none=True")
+            assert params[1].grad is None
+        scales.append(scaler.get_scale())
+        results.append([p.detach() for p in params])
+    assert scales == [4.0, 4.0]
+    assert_all_same(results[0], results[1])

@@ -224,6 +224,16 @@ def test_bad_arguments():
         ops.non_finite_check_and_unscale_(torch.ones(2), f, inv)
 
 
+def test_the_check_names_a_grad_off_found_infs_device_or_sparse(backend):
+    found, one = torch.zeros(()), torch.ones(())
+    with pytest.raises(ValueError, match=r"grads\[1\] is on meta but found_inf is on cpu"):
+        ops.non_finite_check_([torch.ones(2), torch.ones(2, device="meta")], found, one,
+                              backend=backend)
+    for op in (ops.non_finite_check_, ops.non_finite_check_and_unscale_):
+        with pytest.raises(TypeError, match=r"grads\[0\] is sparse; pass its ._values\(\)"):
+            op([torch.ones(2).to_sparse()], found, one, backend=backend)
+
+
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     from triton_scaler.kernels import unscale
 
