@@ -6,6 +6,7 @@ import pytest
 import torch
 from _peers import ApexLossScaler, overflow_bursts
 
+from triton_scaler import GradBuckets
 from triton_scaler.compat.apex import Amp
 
 
@@ -79,3 +80,61 @@ def test_static_loss_scale_never_skips(backend):
     _iteration(amp, [p], [opt], overflow=True)
     assert not torch.isfinite(p).all()  # apex's static scaling applies the step
     assert amp.loss_scale() == 128.0
+
+
+@pytest.mark.parametrize("cleared", ["set_to_none", "zeros", "GradBuckets"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_several_losses_on_one_optimizer_as_apex(backend, fused, cleared):
+    """apex's multiple-losses recipe: ``scale_loss`` per loss on one optimizer, then one
+    ``step()``. apex sets the grads already there aside at each ``scale_loss``, unscales and
+    checks only the new loss's gradients and adds the others back: each loss is unscaled by
+    its own scale, each scaler backs off for its own overflow only, and the step is skipped
+    when any loss overflowed since the last step. ``p`` is in both losses, ``q`` in the
+    first only. Scales 2**16 and 2**3: unscaling everything by the last scale is far off."""
+    amp = Amp(num_losses=2, init_scale=2.0**16, scale_window=3, backend=backend)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0**16, "unskipped": 0},
+                         "loss_scaler1": {"loss_scale": 2.0**3, "unskipped": 0}})
+    peers = [ApexLossScaler(2.0**16, 3), ApexLossScaler(2.0**3, 3)]
+    p, q = torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([p, q], lr=0.5, fused=fused)
+    buckets = GradBuckets(opt) if cleared == "GradBuckets" else None
+    overflows = [(a, b) for a in (False, True) for b in (False, True)] * 2 + [(True, False)]
+    for step, (overflow0, overflow1) in enumerate(overflows):
+        losses = [(p * 2.0).sum() + (q * 3.0).sum(), (p * 5.0).sum()]
+        for loss_id, (loss, overflow) in enumerate(zip(losses, (overflow0, overflow1))):
+            with amp.scale_loss(loss * (math.inf if overflow else 1.0), opt,
+                                loss_id=loss_id) as scaled:
+                scaled.backward()
+            peers[loss_id].update_scale(overflow)
+            assert amp.loss_scale(loss_id) == peers[loss_id]._loss_scale
+        if not (overflow0 or overflow1):
+            assert torch.equal(p.grad, torch.full((5,), 7.0))
+            assert torch.equal(q.grad, torch.full((3,), 3.0))
+        before = [t.detach().clone() for t in (p, q)]
+        opt.step()
+        skipped = all(torch.equal(t.detach(), b) for t, b in zip((p, q), before))
+        assert skipped == (overflow0 or overflow1), step
+        if buckets is not None:
+            buckets.zero_()
+        else:
+            opt.zero_grad(set_to_none=cleared == "set_to_none")
+
+
+def test_one_loss_over_several_optimizers_and_a_state_loaded_midway(backend):
+    """Each optimizer of a ``scale_loss`` is unscaled and skips on overflow; a state loaded
+    into a scaler already in use takes effect (scale and apex's window) at once."""
+    amp = Amp(init_scale=64.0, scale_window=2, backend=backend)
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    opts = [torch.optim.SGD([a], lr=0.5), torch.optim.SGD([b], lr=0.5)]
+    _iteration(amp, [a, b], opts, overflow=False)
+    assert torch.equal(a.detach(), torch.full((2,), 0.5))  # unscaled: grad 1, not 64
+    assert torch.equal(b.detach(), torch.full((3,), 0.5))
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 1}})
+    assert amp.loss_scale() == 8.0
+    _iteration(amp, [a, b], opts, overflow=False)  # the second clean step of the window
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 16.0, "unskipped": 0}}
+    _iteration(amp, [a, b], opts, overflow=True)
+    assert torch.equal(a.detach(), torch.zeros(2)) and torch.equal(b.detach(), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"loss_id must be in \[0, 1\); got -1"):
+        with amp.scale_loss(a.sum(), opts, loss_id=-1):
+            pass

@@ -3,11 +3,20 @@
 Each loss gets its own :class:`triton_scaler.GradScaler`, created on the device of the first
 loss it scales. apex's rule is torch's with a cap (``max_loss_scale``) and an optional floor
 (``min_loss_scale``): both are GradScaler settings. A static ``loss_scale`` never skips.
+
+Several losses may share an optimizer, as in apex's multiple-losses recipe (``scale_loss`` for
+each loss, then one ``optimizer.step()``): as apex, each ``scale_loss`` (without
+``delay_unscale``) sets the values of the grads already there aside, unscales and checks only
+its own loss's gradients, then adds the values set aside back. So each loss is unscaled by its
+own scale and each scaler backs off only for its own overflow; the step is skipped when any
+of them overflowed since the last step. Costs a copy of the grads where there are grads when
+``scale_loss`` starts (a second loss, or grads zeroed rather than set to None), as apex's stash.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -62,6 +71,9 @@ class Amp:
         self._backend = backend
         self._scalers: list[GradScaler | None] = [None] * self.num_losses
         self._pending_state: list[dict | None] = [None] * self.num_losses
+        # optimizers whose grads hold a delay_unscale backward's scaled gradients (apex's
+        # params_have_scaled_gradients): the next scale_loss does not set them aside
+        self._scaled_grads: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     def _scaler(self, loss_id: int, device: torch.device) -> GradScaler:
         self._check_loss_id(loss_id)
@@ -85,18 +97,25 @@ class Amp:
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor, optimizers: torch.optim.Optimizer | Sequence[Any],
                    loss_id: int = 0, delay_unscale: bool = False) -> Iterator[torch.Tensor]:
-        """Yield ``loss * scale``. On exit (unless ``delay_unscale``) unscale and check the
-        optimizers' grads, update the scale, and make each optimizer's next ``step()`` a no-op
-        if there was an overflow (once). No host sync here; the plain optimizers' ``step()``
-        reads one flag, fused optimizers skip on the device."""
+        """Yield ``loss * scale``. On exit (unless ``delay_unscale``) unscale and check this
+        loss's gradients, add the grads that were there before back (apex's stash, see the
+        module doc), update the scale, and make each optimizer's next ``step()`` a no-op if
+        this or an earlier loss since the last step overflowed (once). No host sync here; the
+        plain optimizers' ``step()`` reads one flag, fused optimizers skip on the device."""
         optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) \
             else list(optimizers)
         scaler = self._scaler(loss_id, loss.device)
+        stashes = [] if delay_unscale else [
+            _stash_grads(opt) for opt in optimizers if opt not in self._scaled_grads]
         yield scaler.scale(loss)
         if delay_unscale:
+            self._scaled_grads.update(optimizers)
             return
+        self._scaled_grads.difference_update(optimizers)
         for opt in optimizers:
             scaler.unscale_(opt)
+        for stash in stashes:
+            _add_back(stash)
         # copies: update() zeroes the scaler's found_inf flags for the next iteration
         flags = [scaler._agree_found_inf(scaler._per_optimizer_states[id(opt)]).clone()
                  for opt in optimizers]
@@ -152,14 +171,44 @@ class Amp:
                 self._scalers[i].load_state_dict(torch_state)
 
 
+def _stash_grads(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Set the values of the optimizer's grads aside (apex's ``_prepare_amp_backward``) and
+    clear the grads in place, so the next backward's gradients are alone in them; each grad
+    keeps its identity (a GradBuckets or DDP bucket view stays a view). Cleared with -0.0, as
+    GradBuckets clears: ``-0.0 + g`` is ``g`` bit for bit, as a fresh grad would be. Returns
+    (parameter, saved values) pairs; no grads (``zero_grad(set_to_none=True)``): nothing."""
+    stash = []
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    stash.append((p, p.grad.clone()))
+                    p.grad.zero_() if p.grad.is_sparse else p.grad.fill_(-0.0)
+    return stash
+
+
+def _add_back(stash: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """apex's ``post_backward_models_are_masters``: each grad becomes its own loss's unscaled
+    gradient plus the values set aside (apex's ``a * new + 1 * old``: the same values, as
+    ``new * (1 / scale)`` is exact for apex's power-of-two scales)."""
+    with torch.no_grad():
+        for p, saved in stash:
+            if p.grad is None:
+                p.grad = saved
+            else:
+                p.grad.add_(saved)
+
+
 def _skip_next_step_if(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-    """Make the optimizer's next ``step()`` a no-op when ``found_inf`` is set (once)."""
+    """Make the optimizer's next ``step()`` a no-op when ``found_inf`` is set, or was for a
+    loss since the last step (apex keeps an unconsumed skip: ``already_patched``)."""
     pending = optimizer.__dict__.get(_SKIP_ATTR)
-    if pending is not None:  # an earlier patch that was never consumed
+    if pending is not None:  # an earlier patch that was never consumed: either flag skips
+        found_inf = torch.maximum(pending[2], found_inf)
         _restore_step(optimizer)
     had_own_step = "step" in optimizer.__dict__  # e.g. an LR scheduler's wrapper
     original = optimizer.step
-    setattr(optimizer, _SKIP_ATTR, (had_own_step, original))
+    setattr(optimizer, _SKIP_ATTR, (had_own_step, original, found_inf))
 
     def step(*args, **kwargs):
         _restore_step(optimizer)
@@ -177,7 +226,7 @@ def _skip_next_step_if(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor
 
 
 def _restore_step(optimizer: torch.optim.Optimizer) -> None:
-    had_own_step, original = optimizer.__dict__.pop(_SKIP_ATTR)
+    had_own_step, original, _ = optimizer.__dict__.pop(_SKIP_ATTR)
     if had_own_step:
         optimizer.step = original
     else:
