@@ -85,6 +85,8 @@ def test_setters_change_nothing_on_error(backend):
 # ------------------------------------------------------------ constructor and calls
 @pytest.mark.parametrize("args, kwargs, error, match", [
     (("no-such-device",), {}, ValueError, "device must be a torch device string"),
+    ((0,), {}, TypeError, "device must be a device string such as 'cuda' or 'cpu'; got int 0"),
+    ((None,), {}, TypeError, "device must be a device string such as 'cuda' or 'cpu'; got None"),
     ((), dict(init_scale=2.0**128), ValueError, "init_scale must be a finite number > 0"),
     ((), dict(hysteresis=2**31), ValueError, "hysteresis must be an int >= 1 and at most"),
     ((), dict(growth_interval=2**31), ValueError, "growth_interval must be an int >= 1 and at"),

@@ -42,6 +42,38 @@ def test_zero_sets_none_the_grads_of_parameters_outside_the_buckets(backend):
     assert _run_both(backend, build, loop)[1] == [None, None]
 
 
+@pytest.mark.parametrize("how", ["new group", "appended to a group's list"])
+def test_a_parameter_added_after_zero_has_run_is_cleared_by_the_next_zero(backend, how):
+    """zero_() remembers which of the optimizer's parameters lie outside the buckets; a
+    parameter added after that (a new param group, or appended in place to a group's list,
+    every bucket parameter still receiving a gradient) must be found, or its grad would
+    accumulate across steps where torch's zero_grad() clears it."""
+    def build(ours):
+        params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3)),
+                  torch.nn.Parameter(torch.randn(4))]  # the last one joins the optimizer later
+        opt = torch.optim.SGD(params[:2], lr=0.1, momentum=0.9)
+        return params, opt, GradBuckets(opt).zero_ if ours else opt.zero_grad
+
+    def loop(params, opt, scaler, zero_grad):
+        outside = []
+        for step in range(4):
+            if step == 1:
+                if how == "new group":
+                    opt.add_param_group({"params": [params[2]]})
+                else:
+                    opt.param_groups[0]["params"].append(params[2])
+            active = params if step else params[:2]
+            loss = sum((p * (i + 1.0)).sum() for i, p in enumerate(active))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            zero_grad()
+            outside.append(params[2].grad)
+        return [scaler.get_scale(), outside]
+
+    assert _run_both(backend, build, loop)[1] == [None] * 4
+
+
 def test_unscale_then_zero_then_step_leaves_parameters_without_grads_alone(backend):
     build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(6)),
                                torch.nn.Parameter(torch.randn(2, 3))])

@@ -243,6 +243,21 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
                                           backend="triton")
 
 
+def test_triton_without_the_triton_package_is_a_clear_error(monkeypatch):
+    """Without triton installed, ``"triton"`` names the package and the way out; ``"auto"``
+    takes the reference path."""
+    from triton_scaler import _backend
+
+    monkeypatch.setattr(_backend, "triton_available", lambda: False)
+    grads = [torch.ones(2)]
+    with pytest.raises(RuntimeError, match="backend='triton' needs the 'triton' package"):
+        ops.non_finite_check_and_unscale_(grads, torch.zeros(()), torch.ones(()),
+                                          backend="triton")
+    assert _backend.resolve_backend("auto", torch.device("cuda")) == "reference"
+    ops.non_finite_check_and_unscale_(grads, torch.zeros(()), torch.full((), 0.5))
+    assert grads[0].tolist() == [0.5, 0.5]
+
+
 def test_auto_picks_reference_on_cpu(monkeypatch):
     from triton_scaler import reference
 
