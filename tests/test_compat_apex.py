@@ -82,15 +82,18 @@ def test_static_loss_scale_never_skips(backend):
     assert amp.loss_scale() == 128.0
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize("cleared", ["set_to_none", "zeros", "GradBuckets"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_several_losses_on_one_optimizer_as_apex(backend, fused, cleared):
+def test_several_losses_on_one_optimizer_as_apex(backend, fused, cleared, micro_batches):
     """apex's multiple-losses recipe: ``scale_loss`` per loss on one optimizer, then one
     ``step()``. apex sets the grads already there aside at each ``scale_loss``, unscales and
     checks only the new loss's gradients and adds the others back: each loss is unscaled by
     its own scale, each scaler backs off for its own overflow only, and the step is skipped
     when any loss overflowed since the last step. ``p`` is in both losses, ``q`` in the
-    first only. Scales 2**16 and 2**3: unscaling everything by the last scale is far off."""
+    first only. Scales 2**16 and 2**3: unscaling everything by the last scale is far off.
+    With two micro-batches the first loss accumulates (``delay_unscale=True`` first, its
+    scaled grads not set aside), and the second loss then sets the sum aside."""
     amp = Amp(num_losses=2, init_scale=2.0**16, scale_window=3, backend=backend)
     amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0**16, "unskipped": 0},
                          "loss_scaler1": {"loss_scale": 2.0**3, "unskipped": 0}})
@@ -99,17 +102,18 @@ def test_several_losses_on_one_optimizer_as_apex(backend, fused, cleared):
     opt = torch.optim.Adam([p, q], lr=0.5, fused=fused)
     buckets = GradBuckets(opt) if cleared == "GradBuckets" else None
     overflows = [(a, b) for a in (False, True) for b in (False, True)] * 2 + [(True, False)]
+    losses = [lambda: (p * 2.0).sum() + (q * 3.0).sum(), lambda: (p * 5.0).sum()]
     for step, (overflow0, overflow1) in enumerate(overflows):
-        losses = [(p * 2.0).sum() + (q * 3.0).sum(), (p * 5.0).sum()]
-        for loss_id, (loss, overflow) in enumerate(zip(losses, (overflow0, overflow1))):
-            with amp.scale_loss(loss * (math.inf if overflow else 1.0), opt,
-                                loss_id=loss_id) as scaled:
-                scaled.backward()
+        for loss_id, overflow in enumerate((overflow0, overflow1)):
+            for delay in [True] * (micro_batches - 1 if loss_id == 0 else 0) + [False]:
+                loss = losses[loss_id]() * (math.inf if overflow else 1.0)
+                with amp.scale_loss(loss, opt, loss_id=loss_id, delay_unscale=delay) as scaled:
+                    scaled.backward()
             peers[loss_id].update_scale(overflow)
             assert amp.loss_scale(loss_id) == peers[loss_id]._loss_scale
         if not (overflow0 or overflow1):
-            assert torch.equal(p.grad, torch.full((5,), 7.0))
-            assert torch.equal(q.grad, torch.full((3,), 3.0))
+            assert torch.equal(p.grad, torch.full((5,), 2.0 * micro_batches + 5.0))
+            assert torch.equal(q.grad, torch.full((3,), 3.0 * micro_batches))
         before = [t.detach().clone() for t in (p, q)]
         opt.step()
         skipped = all(torch.equal(t.detach(), b) for t, b in zip((p, q), before))
@@ -118,6 +122,21 @@ def test_several_losses_on_one_optimizer_as_apex(backend, fused, cleared):
             buckets.zero_()
         else:
             opt.zero_grad(set_to_none=cleared == "set_to_none")
+
+
+def test_a_grad_set_aside_and_added_back_is_apexs_to_the_sign_of_zero(backend):
+    """apex's ``new * (1 / scale) + old``: -0.0 where both are -0.0 (a grad cleared to +0.0
+    before the next backward would make it +0.0)."""
+    amp = Amp(num_losses=2, backend=backend)
+    r = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([r], lr=0.5)
+    for _ in range(2):
+        for loss_id in (0, 1):
+            with amp.scale_loss((r * -0.0).sum(), opt, loss_id=loss_id) as scaled:
+                scaled.backward()
+        assert torch.signbit(r.grad).all() and not r.grad.any()
+        opt.step()
+        opt.zero_grad()
 
 
 def test_one_loss_over_several_optimizers_and_a_state_loaded_midway(backend):

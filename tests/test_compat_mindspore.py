@@ -38,6 +38,9 @@ def test_scale_unscale_and_all_finite(backend):
     assert out[0].item() == 2.0 and out[1].item() == 1.0 and pair[1].item() == 1024.0
     assert scaler.adjust(torch.tensor(False)) is False and scaler.scale_value.item() == 1024.0
     assert all_finite(x, backend=backend).item()
+    big = StaticLossScaler(2.0**20, device="cpu", backend=backend)  # past float16's range
+    tiny = torch.tensor([2.0**-20, 2.0**-24], dtype=torch.half)
+    assert big.scale(tiny).tolist() == [1.0, 2.0**-4]  # the product in float32, then rounded
     assert not all_finite((x, torch.tensor([math.inf])), backend=backend).item()
 
 
@@ -52,6 +55,8 @@ def test_managers_configure_grad_scalers():
     assert (state["growth_interval"], state["backoff_factor"], state["min_scale"]) == \
         (50, 0.5, 1.0)
     assert DynamicLossScaleManager().get_grad_scaler().state_dict()["scale"] == 2.0**24
+    state = DynamicLossScaleManager(2.0**10, 4, 50).get_grad_scaler("cpu").state_dict()
+    assert (state["growth_factor"], state["backoff_factor"]) == (4.0, 0.25)
     with pytest.raises(ValueError, match="loss_scale must be a finite number >= 1"):
         FixedLossScaleManager(0.5)
 

@@ -142,6 +142,27 @@ def test_the_oldest_launches_are_forgotten(direct):
     assert len(kernel.launches) == launcher._CAPACITY + 2 and len(kernel.runs) == 1
 
 
+def test_the_least_recently_used_launch_is_forgotten_first(direct):
+    """A launch reused every step (the update's) stays remembered while others come and go."""
+    kernel, x = _Kernel(), torch.zeros(64)
+    _launch(kernel, x)
+    for i in range(1, 2 * launcher._CAPACITY):
+        _launch(kernel, x[i:])
+        _launch(kernel, x)  # reused: the most recent again
+    assert len(kernel.launches) == 2 * launcher._CAPACITY  # x once, and each x[i:]
+    assert len(kernel.runs) == 2 * launcher._CAPACITY - 1  # x every other time
+
+
+def test_rocm_launches_always_go_through_triton(direct, monkeypatch):
+    """ROCm's specialisation also depends on each tensor's storage size, which the key leaves
+    out: no launch is remembered there."""
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    kernel, x = _Kernel(), torch.zeros(8)
+    for _ in range(3):
+        _launch(kernel, x)
+    assert len(kernel.launches) == 3 and not kernel.runs
+
+
 def test_constexprs_out_of_order_are_refused(direct):
     with pytest.raises(ValueError, match=r"constexprs must name .*\('FLAG', 'BLOCK'\)"):
         launcher.launch(_Kernel(), 1, (torch.zeros(1),), (1,), {"BLOCK": 64, "FLAG": True}, {})

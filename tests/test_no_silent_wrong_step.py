@@ -192,7 +192,8 @@ def test_backends_agree_on_empty_lists_with_an_infinite_inv_scale(backend):
 
 
 # ------------------------------------------------------------ 6. MindSpore adjust flags
-@pytest.mark.parametrize("flag", [1, 0, torch.tensor(1), torch.tensor(1.0), "yes", None])
+@pytest.mark.parametrize("flag", [1, 0, torch.tensor(1), torch.tensor(1.0), "yes", None,
+                                  torch.tensor([True, False])])
 def test_mindspore_adjust_rejects_non_bool_flags(backend, flag):
     scaler = DynamicLossScaler(1024.0, 2, 10, device="cpu", backend=backend)
     with pytest.raises(TypeError, match="grads_finite must be a bool or a one-element bool"):

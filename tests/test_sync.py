@@ -59,6 +59,29 @@ def test_the_counter_can_fail():
         with c.paused():
             torch.ones(()).tolist()
     assert c.count == 2
+    t = torch.ones(())
+    for name in ("item", "__bool__", "tolist", "cpu", "numpy", "__float__", "__int__"):
+        with count_host_syncs() as c:  # each host read counts once
+            getattr(t, name)()
+        assert c.count == 1, name
+    assert c.count == 1 and t.item() == 1.0  # the methods are torch's own again
+
+
+def test_optimizer_step_uncounted_keeps_an_optimizers_own_step():
+    """An instance-level ``step`` (an LR scheduler's or apex's wrapper) is put back after the
+    region; without one, the class's ``step`` is seen again."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    with count_host_syncs() as c, optimizer_step_uncounted(opt, c):
+        pass
+    assert "step" not in opt.__dict__
+
+    def own_step(*args, **kwargs):
+        torch.ones(()).item()
+
+    opt.step = own_step
+    with count_host_syncs() as c, optimizer_step_uncounted(opt, c):
+        opt.step()
+    assert opt.step is own_step and c.count == 0
 
 
 def test_the_early_host_copy_completes_on_the_stream_of_the_copied_tensor(monkeypatch):
