@@ -129,3 +129,57 @@ class ApexLossScaler:
         if self._unskipped == self._scale_seq_len:
             self._loss_scale = min(self._max_loss_scale, self._loss_scale * 2.0)
             self._unskipped = 0
+
+
+class ApexAmpOracle:
+    """apex/amp/handle.py ``scale_loss`` with _process_optimizer.py's ``prepare_backward`` /
+    ``post_backward_models_are_masters`` (fp32 params that are their own masters, apex's O1)
+    and scaler.py's ``unscale`` / ``unscale_with_stashed``, on plain tensors: the grads set
+    aside at a ``scale_loss`` without ``delay_unscale`` unless a delayed backward left scaled
+    grads (``params_have_scaled_gradients``); only the incoming grads checked; one skip decision
+    per call, for all its optimizers, kept until a step consumes it (``already_patched``)."""
+
+    def __init__(self, num_losses, init_scale, scale_window):
+        self.scalers = [ApexLossScaler(init_scale, scale_window) for _ in range(num_losses)]
+        self._stash, self._have_scaled, self._patched = {}, set(), set()
+
+    @staticmethod
+    def _params(opt):
+        return [p for group in opt.param_groups for p in group["params"]]
+
+    def enter(self, loss_id, opts, delay_unscale):
+        """The scale to multiply the loss by; sets the grads aside."""
+        if not delay_unscale:
+            for opt in opts:
+                if id(opt) not in self._have_scaled:
+                    self._stash[id(opt)] = [p.grad for p in self._params(opt)]
+                    for p in self._params(opt):
+                        p.grad = None
+        return self.scalers[loss_id]._loss_scale
+
+    def exit(self, loss_id, opts, delay_unscale):
+        scaler = self.scalers[loss_id]
+        if delay_unscale:
+            self._have_scaled.update(map(id, opts))
+            return
+        inv, overflow = 1.0 / scaler._loss_scale, False
+        for opt in opts:
+            self._have_scaled.discard(id(opt))
+            params = self._params(opt)
+            for p, stashed in zip(params, self._stash.pop(id(opt), [None] * len(params))):
+                if p.grad is None:
+                    p.grad = stashed
+                    continue
+                overflow |= not bool(torch.isfinite(p.grad).all())
+                unscaled = p.grad * torch.tensor(inv, dtype=torch.float32)
+                p.grad = unscaled if stashed is None else unscaled + stashed
+        scaler.update_scale(overflow)
+        if overflow:
+            self._patched.update(map(id, opts))
+
+    def step(self, opt):
+        """apex's patched ``step``: skipped once after an overflow."""
+        if id(opt) in self._patched:
+            self._patched.discard(id(opt))
+        else:
+            opt.step()

@@ -140,8 +140,9 @@ def test_a_grad_set_aside_and_added_back_is_apexs_to_the_sign_of_zero(backend):
 
 
 def test_one_loss_over_several_optimizers_and_a_state_loaded_midway(backend):
-    """Each optimizer of a ``scale_loss`` is unscaled and skips on overflow; a state loaded
-    into a scaler already in use takes effect (scale and apex's window) at once."""
+    """Each optimizer of a ``scale_loss`` is unscaled and skips on overflow, also on an
+    overflow in another's grads (apex decides once per call); a state loaded into a scaler
+    already in use takes effect (scale and apex's window) at once."""
     amp = Amp(init_scale=64.0, scale_window=2, backend=backend)
     a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
     opts = [torch.optim.SGD([a], lr=0.5), torch.optim.SGD([b], lr=0.5)]
@@ -153,6 +154,11 @@ def test_one_loss_over_several_optimizers_and_a_state_loaded_midway(backend):
     _iteration(amp, [a, b], opts, overflow=False)  # the second clean step of the window
     assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 16.0, "unskipped": 0}}
     _iteration(amp, [a, b], opts, overflow=True)
+    assert torch.equal(a.detach(), torch.zeros(2)) and torch.equal(b.detach(), torch.zeros(3))
+    with amp.scale_loss(a.sum() * math.inf + b.sum(), opts) as scaled:  # only a's grads
+        scaled.backward()
+    for opt in opts:  # one decision per scale_loss, as apex: both steps skipped
+        opt.step()
     assert torch.equal(a.detach(), torch.zeros(2)) and torch.equal(b.detach(), torch.zeros(3))
     with pytest.raises(ValueError, match=r"loss_id must be in \[0, 1\); got -1"):
         with amp.scale_loss(a.sum(), opts, loss_id=-1):

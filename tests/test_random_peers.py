@@ -8,11 +8,13 @@ import random
 import pytest
 import torch
 from _peers import (
+    ApexAmpOracle,
     ApexLossScaler,
     DeepSpeedDynamicLossScaler,
     MegatronDynamicGradScaler,
     MindSporeDynamicLossScaler,
 )
+from _util import assert_all_same, assert_same
 from test_compat_apex import _iteration
 
 from triton_scaler import GradScaler
@@ -49,6 +51,59 @@ def test_apex_amp_follows_apex_over_random_settings(backend, seed):
         assert torch.equal(p.detach(), before) == overflow, step
         assert amp.state_dict()["loss_scaler0"] == {"loss_scale": peer._loss_scale,
                                                     "unskipped": peer._unskipped}, step
+
+
+def _amp_model(seed, n_opts):
+    torch.manual_seed(seed)
+    params = [[torch.nn.Parameter(torch.randn(n)) for n in (3, 5)] for _ in range(n_opts)]
+    return params, [torch.optim.SGD(ps, lr=0.5, momentum=0.5) for ps in params]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_apex_amp_losses_over_shared_optimizers_follow_apex(backend, seed):
+    """Random losses over random subsets of optimizers, micro-batches with ``delay_unscale``
+    (also where apex mixes a delayed loss into grads an earlier loss unscaled), overflows in
+    one parameter's grad, grads set to None or zeroed: every grad after every ``scale_loss``,
+    every scale, and the parameters after every step equal apex's (ApexAmpOracle)."""
+    rng = random.Random(seed)
+    n_opts, n_losses = rng.randint(1, 2), rng.randint(1, 3)
+    window = rng.randint(1, 3)
+    amp = Amp(num_losses=n_losses, init_scale=2.0**rng.randint(0, 12), scale_window=window,
+              backend=backend)
+    oracle = ApexAmpOracle(n_losses, amp.loss_scale(), window)
+    (ours, ours_opts), (theirs, their_opts) = _amp_model(seed, n_opts), _amp_model(seed, n_opts)
+    for step in range(8):
+        for loss_id in range(n_losses):
+            opt_ids = rng.sample(range(n_opts), rng.randint(1, n_opts))
+            coefs = [rng.randint(-3, 3) for _ in range(2)]
+            for delay in [True] * rng.choice([0, 0, 1]) + [False]:
+                inf_at = rng.choice(opt_ids) if rng.random() < 0.25 else None
+                for side in ("ours", "theirs"):
+                    params, opts = (ours, ours_opts) if side == "ours" else (theirs, their_opts)
+                    loss = sum(c * (params[i][j] ** 2).sum() for i in opt_ids
+                               for j, c in enumerate(coefs))
+                    if inf_at is not None:
+                        loss = loss + math.inf * params[inf_at][0][0]
+                    chosen = [opts[i] for i in opt_ids]
+                    if side == "ours":
+                        with amp.scale_loss(loss, chosen, loss_id, delay) as scaled:
+                            scaled.backward()
+                    else:
+                        (loss * oracle.enter(loss_id, chosen, delay)).backward()
+                        oracle.exit(loss_id, chosen, delay)
+                for a, b in zip(sum(ours, []), sum(theirs, [])):
+                    assert (a.grad is None) == (b.grad is None), step
+                    if a.grad is not None:
+                        assert_same(a.grad, b.grad)
+            assert amp.loss_scale(loss_id) == oracle.scalers[loss_id]._loss_scale, step
+        set_to_none = rng.random() < 0.5
+        for opt, their_opt in zip(ours_opts, their_opts):
+            opt.step()
+            oracle.step(their_opt)
+            opt.zero_grad(set_to_none=set_to_none)
+            their_opt.zero_grad(set_to_none=set_to_none)
+        assert_all_same([p.detach() for p in sum(ours, [])],
+                        [p.detach() for p in sum(theirs, [])])
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -100,8 +100,9 @@ class Amp:
         """Yield ``loss * scale``. On exit (unless ``delay_unscale``) unscale and check this
         loss's gradients, add the grads that were there before back (apex's stash, see the
         module doc), update the scale, and make each optimizer's next ``step()`` a no-op if
-        this or an earlier loss since the last step overflowed (once). No host sync here; the
-        plain optimizers' ``step()`` reads one flag, fused optimizers skip on the device."""
+        this loss's gradients (in any of ``optimizers``) or an earlier loss's since the last
+        step overflowed (once). No host sync here; the plain optimizers' ``step()`` reads one
+        flag, fused optimizers skip on the device."""
         optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) \
             else list(optimizers)
         scaler = self._scaler(loss_id, loss.device)
@@ -116,13 +117,16 @@ class Amp:
             scaler.unscale_(opt)
         for stash in stashes:
             _add_back(stash)
-        # copies: update() zeroes the scaler's found_inf flags for the next iteration
-        flags = [scaler._agree_found_inf(scaler._per_optimizer_states[id(opt)]).clone()
+        flags = [scaler._agree_found_inf(scaler._per_optimizer_states[id(opt)])
                  for opt in optimizers]
+        if self._dynamic and flags:
+            # one decision for the whole call, as apex's (an overflow in any of its optimizers'
+            # grads skips every one's step); a new tensor: update() zeroes the scaler's flags
+            found_inf = torch.stack([flag.to(flags[0].device) for flag in flags]).amax()
         scaler.update()
-        if self._dynamic:
-            for opt, found_inf in zip(optimizers, flags):
-                _skip_next_step_if(opt, found_inf)
+        if self._dynamic and flags:
+            for opt, flag in zip(optimizers, flags):  # (each on its optimizer's device)
+                _skip_next_step_if(opt, found_inf.to(flag.device))
 
     def loss_scale(self, loss_id: int = 0) -> float:
         """The current scale of ``loss_id`` (synchronises); a loaded state counts before the
