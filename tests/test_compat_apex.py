@@ -163,3 +163,24 @@ def test_one_loss_over_several_optimizers_and_a_state_loaded_midway(backend):
     with pytest.raises(ValueError, match=r"loss_id must be in \[0, 1\); got -1"):
         with amp.scale_loss(a.sum(), opts, loss_id=-1):
             pass
+
+
+def test_scale_loss_takes_apexs_arguments_in_apexs_order(backend):
+    """``scale_loss(loss, optimizers, loss_id, model, delay_unscale)`` positionally, as apex
+    declares them; the scaled loss is ``loss.float() * scale``; ``delay_overflow_check=True``
+    (apex's hook for its own fused optimizers) is refused by name."""
+    amp = Amp(init_scale=64.0, backend=backend)
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.ones(1, 2)
+    with amp.scale_loss(model(x).sum(), opt, 0, model, True) as scaled:  # delayed
+        scaled.backward()
+    assert torch.equal(model.weight.grad, torch.full((1, 2), 64.0))  # still scaled
+    with amp.scale_loss(model(x).half(), opt, 0, model) as scaled:  # a (1, 1) float16 loss
+        assert scaled.dtype == torch.float32 and scaled.tolist() == [[128.0]]
+        scaled.sum().backward()
+    assert torch.equal(model.weight.grad, torch.full((1, 2), 2.0))  # both, unscaled
+    with pytest.raises(ValueError, match="delay_overflow_check must be False"):
+        with amp.scale_loss(model(x).sum(), opt, delay_overflow_check=True):
+            pass

@@ -86,7 +86,7 @@ def test_apex_amp_losses_over_shared_optimizers_follow_apex(backend, seed):
                         loss = loss + math.inf * params[inf_at][0][0]
                     chosen = [opts[i] for i in opt_ids]
                     if side == "ours":
-                        with amp.scale_loss(loss, chosen, loss_id, delay) as scaled:
+                        with amp.scale_loss(loss, chosen, loss_id, delay_unscale=delay) as scaled:
                             scaled.backward()
                     else:
                         (loss * oracle.enter(loss_id, chosen, delay)).backward()

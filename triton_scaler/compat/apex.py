@@ -96,19 +96,29 @@ class Amp:
 
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor, optimizers: torch.optim.Optimizer | Sequence[Any],
-                   loss_id: int = 0, delay_unscale: bool = False) -> Iterator[torch.Tensor]:
-        """Yield ``loss * scale``. On exit (unless ``delay_unscale``) unscale and check this
-        loss's gradients, add the grads that were there before back (apex's stash, see the
-        module doc), update the scale, and make each optimizer's next ``step()`` a no-op if
-        this loss's gradients (in any of ``optimizers``) or an earlier loss's since the last
-        step overflowed (once). No host sync here; the plain optimizers' ``step()`` reads one
-        flag, fused optimizers skip on the device."""
+                   loss_id: int = 0, model: torch.nn.Module | None = None,
+                   delay_unscale: bool = False, delay_overflow_check: bool = False
+                   ) -> Iterator[torch.Tensor]:
+        """Yield ``loss.float() * scale``. On exit (unless ``delay_unscale``) unscale and check
+        this loss's gradients, add the grads that were there before back (apex's stash, see
+        the module doc), update the scale, and make each optimizer's next ``step()`` a no-op
+        if this loss's gradients (in any of ``optimizers``) or an earlier loss's since the
+        last step overflowed (once). No host sync here; the plain optimizers' ``step()`` reads
+        one flag, fused optimizers skip on the device.
+
+        apex's signature: ``model`` is unused, as in apex. ``delay_overflow_check=True`` (apex's
+        hook for its own fused optimizers, which then check the overflow in their ``step``)
+        raises ``ValueError``: torch's fused optimizers skip on the device without it."""
+        if delay_overflow_check is not False:
+            raise ValueError("delay_overflow_check must be False: it hands the overflow check to "
+                             "apex's own fused optimizers; torch's fused optimizers (fused=True) "
+                             f"skip on the device without it; got {delay_overflow_check!r}")
         optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) \
             else list(optimizers)
         scaler = self._scaler(loss_id, loss.device)
         stashes = [] if delay_unscale else [
             _stash_grads(opt) for opt in optimizers if opt not in self._scaled_grads]
-        yield scaler.scale(loss)
+        yield scaler.scale(loss.float())
         if delay_unscale:
             self._scaled_grads.update(optimizers)
             return
