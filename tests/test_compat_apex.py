@@ -184,3 +184,19 @@ def test_scale_loss_takes_apexs_arguments_in_apexs_order(backend):
     with pytest.raises(ValueError, match="delay_overflow_check must be False"):
         with amp.scale_loss(model(x).sum(), opt, delay_overflow_check=True):
             pass
+
+
+def test_several_losses_with_sparse_grads(backend):
+    """A sparse embedding's grad set aside and added back (its elements, coalesced or not)."""
+    emb = torch.nn.Embedding(6, 2, sparse=True)
+    torch.nn.init.ones_(emb.weight)
+    opt = torch.optim.SGD(emb.parameters(), lr=1.0)
+    amp = Amp(num_losses=2, init_scale=64.0, backend=backend)
+    for _ in range(2):
+        with amp.scale_loss(emb(torch.tensor([1, 3])).sum() * 2, opt, loss_id=0) as scaled:
+            scaled.backward()
+        with amp.scale_loss(emb(torch.tensor([3, 4])).sum() * 5, opt, loss_id=1) as scaled:
+            scaled.backward()
+        assert emb.weight.grad.to_dense()[:, 0].tolist() == [0.0, 2.0, 0.0, 7.0, 5.0, 0.0]
+        opt.step()
+        opt.zero_grad()

@@ -127,16 +127,15 @@ class Amp:
             scaler.unscale_(opt)
         for stash in stashes:
             _add_back(stash)
-        flags = [scaler._agree_found_inf(scaler._per_optimizer_states[id(opt)])
-                 for opt in optimizers]
-        if self._dynamic and flags:
+        if self._dynamic and optimizers:
+            flags = [scaler._agree_found_inf(scaler._per_optimizer_states[id(opt)])
+                     for opt in optimizers]
             # one decision for the whole call, as apex's (an overflow in any of its optimizers'
             # grads skips every one's step); a new tensor: update() zeroes the scaler's flags
             found_inf = torch.stack([flag.to(flags[0].device) for flag in flags]).amax()
-        scaler.update()
-        if self._dynamic and flags:
             for opt, flag in zip(optimizers, flags):  # (each on its optimizer's device)
                 _skip_next_step_if(opt, found_inf.to(flag.device))
+        scaler.update()
 
     def loss_scale(self, loss_id: int = 0) -> float:
         """The current scale of ``loss_id`` (synchronises); a loaded state counts before the
@@ -195,9 +194,13 @@ def _stash_grads(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, t
     with torch.no_grad():
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    stash.append((p, p.grad.clone()))
-                    p.grad.zero_() if p.grad.is_sparse else p.grad.fill_(-0.0)
+                if p.grad is None:
+                    continue
+                stash.append((p, p.grad.clone()))
+                if p.grad.is_sparse:
+                    p.grad.zero_()  # no elements: the next gradient's alone
+                else:
+                    p.grad.fill_(-0.0)
     return stash
 
 
