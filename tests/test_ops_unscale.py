@@ -234,6 +234,21 @@ def test_the_check_names_a_grad_off_found_infs_device_or_sparse(backend):
             op([torch.ones(2).to_sparse()], found, one, backend=backend)
 
 
+class _LooksLikeAGrad:
+    """Not a tensor, with a grad's dtype, device and layout (passes every check but the type)."""
+
+    dtype, device, layout = torch.float32, torch.device("cpu"), torch.strided
+
+
+@pytest.mark.parametrize("other", [3.0, _LooksLikeAGrad()])
+def test_the_check_names_a_grad_that_is_not_a_tensor(backend, other):
+    found, one = torch.zeros(()), torch.ones(())
+    for op in (ops.non_finite_check_, ops.non_finite_check_and_unscale_):
+        with pytest.raises(TypeError, match=rf"grads\[1\] must be a tensor; got "
+                                            rf"{type(other).__name__}"):
+            op([torch.ones(2), other], found, one, backend=backend)
+
+
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     from triton_scaler.kernels import unscale
 

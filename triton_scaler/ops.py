@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 import torch
 
@@ -58,7 +59,17 @@ def as_tensor_list(grads: object, name: str = "grads") -> list[torch.Tensor]:
                         f"{type(grads).__name__}") from None
 
 
+_dtype_of, _device_of, _layout_of = (attrgetter(a) for a in ("dtype", "device", "layout"))
+
+
 def _group_grads(grads: list[torch.Tensor], device: torch.device):
+    """``grads`` split by dtype, every grad checked (a tensor of an accepted dtype, dense, on
+    ``device``). The usual case, plain dense grads of one dtype on ``device``, is checked in
+    C-level passes (a third of the per-grad loop's host time at 1000 grads)."""
+    if (_PLAIN.issuperset(map(type, grads)) and len(dtypes := set(map(_dtype_of, grads))) == 1
+            and dtypes.issubset(FLOAT_DTYPES) and set(map(_device_of, grads)) == {device}
+            and set(map(_layout_of, grads)) == {torch.strided}):
+        return [grads]
     groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for i, g in enumerate(grads):
         if not isinstance(g, torch.Tensor):

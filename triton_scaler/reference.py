@@ -55,11 +55,33 @@ def non_finite_check_and_unscale_(
     ``found_inf = 1.0`` if an input or a product is non-finite. Grads share found_inf's device;
     any mix of float dtypes."""
     grads = _without_aliases(grads)
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    for_torchs_op = grads
+    if lacks_bf16_unscale(found_inf.device):
+        bf16 = [g for g in grads if g.dtype == torch.bfloat16]
+        if bf16:  # torch's op has no kernel for them here: its arithmetic in tensor ops
+            multiply_as_torchs_op_(bf16, inv_scale)
+            check_(bf16, found_inf)  # a non-finite input gives a non-finite product
+            for_torchs_op = [g for g in grads if g.dtype != torch.bfloat16]
+    if for_torchs_op:
+        torch._amp_foreach_non_finite_check_and_unscale_(for_torchs_op, found_inf, inv_scale)
     if _may_overflow(inv_scale):
         # torch checks only the inputs; a scale below 1 (or 0) can overflow the products,
         # which are now stored in the grads.
         check_(grads, found_inf)
+
+
+def lacks_bf16_unscale(device: torch.device) -> bool:
+    """Whether torch's ``_amp_foreach_non_finite_check_and_unscale_`` has no bfloat16 kernel on
+    ``device`` (CUDA: it raises ``NotImplementedError``; the CPU op has one)."""
+    return device.type == "cuda"
+
+
+def multiply_as_torchs_op_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> None:
+    """``grads[i] = dtype(fp32(grads[i]) * inv_scale)`` in tensor ops, torch's op's arithmetic
+    (a float32 product rounded to the grad's dtype) without its check. Half-precision grads."""
+    for g in grads:
+        if g.numel():
+            g.copy_(g.float().mul_(inv_scale))
 
 
 def _max_abs_per_dtype(grads: list[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
