@@ -139,6 +139,23 @@ def train_rows(device: torch.device, smoke: bool) -> list[dict]:
 
 
 def _train_row(name: str, device: torch.device, smoke: bool) -> dict:
+    step, params = train_step(name, device, smoke)
+    for _ in range(2 if smoke else 5):
+        step()
+    times = []
+    for _ in range(3 if smoke else 20):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return {"section": "train", "case": name, "ms": statistics.median(times) * 1e3,
+            "syncs": _syncs_in(step, device), "params": params}
+
+
+def train_step(name: str, device: torch.device, smoke: bool) -> tuple[Callable[[], None], int]:
+    """One training step of the ~110M-parameter transformer with scaler ``name`` (``torch``,
+    ``ours``, ``ours + GradBuckets``), and its parameter count."""
     vocab, width, layers, heads, batch, seq = ((100, 32, 2, 4, 2, 16) if smoke else
                                                (16000, 768, 12, 12, 8, 512))
     half = torch.float16 if device.type == "cuda" else torch.bfloat16
@@ -163,18 +180,7 @@ def _train_row(name: str, device: torch.device, smoke: bool) -> dict:
         else:
             opt.zero_grad()
 
-    for _ in range(2 if smoke else 5):
-        step()
-    times = []
-    for _ in range(3 if smoke else 20):
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return {"section": "train", "case": name, "ms": statistics.median(times) * 1e3,
-            "syncs": _syncs_in(step, device),
-            "params": sum(p.numel() for p in model.parameters())}
+    return step, sum(p.numel() for p in model.parameters())
 
 
 def _sync(device: torch.device) -> None:

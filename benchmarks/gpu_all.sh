@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Issue 11 in one command on a bare GPU machine (torch, triton, pytest, pytest-benchmark; no
 # network). Usage:
-#   bash benchmarks/gpu_all.sh [all|tests|direct|bench|suite] [OUT_DIR]
-#     tests  the GPU tests and the reference tests (tests/run_gpu.sh's first pass; junit XML)
-#     direct the kernel tests again with the direct launcher on (run_gpu.sh's second pass)
-#     bench  benchmarks/gpu_figures.py: the issue's figures (figures.json / figures.md)
-#     suite  the pytest-benchmark suites at full sizes (suite.json, for benchmarks/plot.py)
-#     all    tests, direct, then bench (default); the suite only when asked for
+#   bash benchmarks/gpu_all.sh [all|PART[,PART...]] [OUT_DIR]
+#     tests   the GPU tests and the reference tests (tests/run_gpu.sh's first pass; junit XML)
+#     launcher the kernel tests again through Triton's kernel[grid] (run_gpu.sh's second
+#             pass; the first runs with kernels.launcher.DIRECT, the default, on)
+#     bench   benchmarks/gpu_figures.py: the issue's figures (figures.json / figures.md)
+#     profile benchmarks/gpu_profile.py: device against wall time where a figure misses
+#     suite   the pytest-benchmark suites at full sizes (suite.json, for benchmarks/plot.py)
+#     all     tests, launcher, bench, then profile (default); the suite only when asked for
 # Everything goes under OUT_DIR (default: $OUT when set, else benchmarks/results/gpu), with
 # summary.txt: device, versions, date and each part's outcome (failed tests listed). Each part
 # has a time limit (a part cut there keeps its failures so far, counts and junit XML) and a
@@ -16,6 +18,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-all}
+[[ $part == all ]] && part=tests,launcher,bench,profile
+wants() { [[ ,$part, == *,$1,* ]]; }
 out=${2:-${OUT:-benchmarks/results/gpu}}
 mkdir -p "$out"
 summary="$out/summary.txt"
@@ -59,21 +63,24 @@ if python -c "import xdist" 2> /dev/null; then
   workers=(-n 8)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 fi
-if [[ $part == all || $part == tests ]]; then
-  run_part tests 300 python -m pytest -q -rfEs -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
+if wants tests; then
+  run_part tests 270 python -m pytest -q -rfEs -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
     tests --junitxml="$out/tests.xml"
 fi
-if [[ $part == all || $part == direct ]]; then
-  run_part direct 60 python -m pytest -q -rfEs -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
-    --direct-launch tests/test_gpu.py tests/test_ops_unscale.py tests/test_ops_update.py \
+if wants launcher; then
+  run_part launcher 60 python -m pytest -q -rfEs -p no:cacheprovider ${workers[@]+"${workers[@]}"} \
+    --triton-launch tests/test_gpu.py tests/test_ops_unscale.py tests/test_ops_update.py \
     tests/test_buckets.py tests/test_launch_count.py tests/test_plan_reuse.py \
-    --junitxml="$out/direct.xml"
+    --junitxml="$out/launcher.xml"
 fi
-if [[ $part == all || $part == bench ]]; then
+if wants bench; then
   run_part bench 120 python benchmarks/gpu_figures.py --out "$out"
   [[ -f $out/figures.md ]] && cat "$out/figures.md" >> "$summary"
 fi
-if [[ $part == suite ]]; then
+if wants profile; then
+  run_part profile 60 python benchmarks/gpu_profile.py --out "$out"
+fi
+if wants suite; then
   run_part suite 400 env TRITON_SCALER_BENCH_SIZES=full python -m pytest benchmarks -q \
     -p no:cacheprovider --benchmark-enable --benchmark-json="$out/suite.json"
 fi

@@ -113,11 +113,11 @@ def host_rows(device: torch.device, smoke: bool) -> list[dict]:
 def _direct_launches(on: bool):
     from triton_scaler.kernels import launcher
 
-    launcher.DIRECT = on
+    before, launcher.DIRECT = launcher.DIRECT, on
     try:
         yield
     finally:
-        launcher.DIRECT = False
+        launcher.DIRECT = before
         launcher.clear()
 
 

@@ -23,3 +23,14 @@ def test_smoke_run_writes_every_section(tmp_path):
         pytest.skip("matplotlib not installed: the plot is drawn where it is")
     assert main(["--plot", str(tmp_path)]) == 0
     assert (tmp_path / "gpu_flat.png").stat().st_size > 0
+
+
+def test_profile_smoke_run_writes_both_sections(tmp_path):
+    from gpu_profile import main as profile_main
+
+    assert profile_main(["--smoke", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "profile.txt").read_text()
+    assert "| many: random 1000 (1-64k) | 10 | ours |" in text
+    assert "| check: random 10000 (1-64k) | 100 | torch |" in text
+    for name in ("torch", "ours", "ours + GradBuckets"):
+        assert f"### {name} (" in text

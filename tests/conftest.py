@@ -43,22 +43,23 @@ def triton_device():
 
 
 def pytest_addoption(parser):
-    parser.addoption("--direct-launch", action="store_true",
-                     help="launch repeated kernels through their compiled launchers "
-                          "(triton_scaler.kernels.launcher.DIRECT; a GPU run)")
+    parser.addoption("--triton-launch", action="store_true",
+                     help="every launch through Triton's kernel[grid], none through the "
+                          "compiled launchers (triton_scaler.kernels.launcher.DIRECT = False; "
+                          "the default is on)")
 
 
 @pytest.fixture(autouse=True)
-def _direct_launch(request):
-    """``--direct-launch``: every test with the direct launcher on (see kernels/launcher.py)."""
-    if not request.config.getoption("--direct-launch"):
+def _triton_launch(request):
+    """``--triton-launch``: every test with the direct launcher off (kernels/launcher.py)."""
+    if not request.config.getoption("--triton-launch"):
         yield
         return
     from triton_scaler.kernels import launcher
 
-    launcher.DIRECT = True
+    launcher.DIRECT = False
     try:
         yield
     finally:
-        launcher.DIRECT = False
+        launcher.DIRECT = True
         launcher.clear()
