@@ -75,6 +75,9 @@ if wants launcher; then
 fi
 if wants bench; then
   run_part bench 120 python benchmarks/gpu_figures.py --out "$out"
+  if [[ -f $out/figures.json ]] && python -c "import matplotlib" 2> /dev/null; then
+    python benchmarks/gpu_figures.py --plot "$out" > "$out/plot.log" 2>&1  # gpu_flat.png
+  fi
   [[ -f $out/figures.md ]] && cat "$out/figures.md" >> "$summary"
 fi
 if wants profile; then

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,6 +35,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _kernel_or_copy(event) -> bool:
+    """A device-side event (a kernel, a copy); an op's own device time repeats its kernels'."""
+    return getattr(event, "device_type", DeviceType.CPU) != DeviceType.CPU
+
+
 def _self_device_us(event) -> float:
     return float(getattr(event, "self_device_time_total", 0.0)
                  or getattr(event, "self_cuda_time_total", 0.0) or 0.0)
@@ -41,8 +47,8 @@ def _self_device_us(event) -> float:
 
 def measure(fn: Callable[[], None], device: torch.device, calls: int) -> tuple[float, float, list]:
     """Wall ms per call (``calls`` back to back, one sync at the end), device ms per call (the
-    sum of every kernel's and copy's own time in a profiled run of ``calls``), and the
-    profiler's per-op averages."""
+    sum of every kernel's and copy's own time in a profiled run of ``calls``; ops' device
+    times, which repeat their kernels', left out), and the profiler's per-op averages."""
     fn()
     _sync(device)
     start = time.perf_counter()
@@ -57,7 +63,7 @@ def measure(fn: Callable[[], None], device: torch.device, calls: int) -> tuple[f
             fn()
         _sync(device)
     averages = prof.key_averages()
-    device_ms = sum(map(_self_device_us, averages)) / calls / 1e3
+    device_ms = sum(map(_self_device_us, filter(_kernel_or_copy, averages))) / calls / 1e3
     return wall, device_ms, averages
 
 

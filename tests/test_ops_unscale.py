@@ -113,6 +113,27 @@ def test_a_chunk_one_element_short_of_a_block_leaves_the_memory_after_it(triton_
         assert found.item() == 0.0
 
 
+def test_table_rows_more_than_2_31_elements_from_the_first_grad(triton_device):
+    """Chunk-table starts are int64 offsets from the first grad: a grad 2^31 + 16 elements
+    after it, in the same 8 GiB buffer (uninitialised: on CPU its pages are never touched), is
+    covered. (On the GPU run of 2026-11-26 two separate allocations, a 9 GiB one between them,
+    came back closer than 2^31 elements: the test skipped, so one buffer now places them.)"""
+    if triton_device.type == "cuda" and torch.cuda.mem_get_info(triton_device)[0] < 10 * 2**30:
+        pytest.skip("needs 10 GiB of free GPU memory")
+    start = 2**31 + 16
+    buffer = torch.empty(start + 4099, device=triton_device)
+    first, far = buffer[:1000], buffer[start:]
+    first.fill_(2.0)
+    far.fill_(2.0)
+    far[-1] = math.nan
+    found = torch.zeros((), device=triton_device)
+    ops.non_finite_check_and_unscale_([first, far], found,
+                                      torch.tensor(0.25, device=triton_device), backend="triton")
+    assert found.item() == 1.0
+    assert bool((first == 0.5).all()) and bool((far[:-1] == 0.5).all())
+    assert math.isnan(far[-1].item())
+
+
 def test_found_inf_is_sticky_and_never_cleared(backend):
     grads = _grads([100], torch.float32)
     found = torch.ones(())
