@@ -95,7 +95,7 @@ def host_rows(device: torch.device, smoke: bool) -> list[dict]:
     rows = [launch_row(device, smoke)]
     print(json.dumps(rows[-1]), flush=True)
     for direct in (False, True):
-        for n in ((10,) if smoke else (10, 1000) if direct else (10, 100, 1000)):
+        for n in ((10,) if smoke else (10, 1000, 10000) if direct else (10, 100, 1000)):
             for label, ours, theirs in PAIRS:
                 if ours.get("grads") == "new_memory":
                     continue
