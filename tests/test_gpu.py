@@ -175,14 +175,11 @@ def _evict_chunk_tables(cuda):
     return junk
 
 
-@pytest.mark.parametrize("buckets, unscale_first", [(True, False), (False, False),
-                                                    (False, True)])
-def test_cuda_graph_capture_and_replay(cuda, buckets, unscale_first):
-    """scale -> backward -> (unscale_) -> step -> update captured once, replayed with overflows
-    injected. Without buckets the captured launch reads a chunk table: evicted from the
-    cache and its memory reused after the capture, the replays must still see the overflow."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)).to(cuda)
+def warmed_up_training(model, cuda, buckets: bool, unscale_first: bool):
+    """A capturable ``scale -> backward -> (unscale_) -> step -> update`` iteration of
+    ``model`` (fused capturable AdamW, GradBuckets or grads reset in place, the loss times the
+    device tensor ``multiplier``: inf for an overflow), run 3 times on a side stream, as
+    capture needs. Returns the iteration, the optimizer, the scaler and ``multiplier``."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
     bucketed = GradBuckets(opt) if buckets else None
     scaler = GradScaler("cuda", init_scale=2.0**10, growth_interval=2, backend="triton")
@@ -206,6 +203,18 @@ def test_cuda_graph_capture_and_replay(cuda, buckets, unscale_first):
         for _ in range(3):
             iteration()
     torch.cuda.current_stream().wait_stream(side)
+    return iteration, opt, scaler, multiplier
+
+
+@pytest.mark.parametrize("buckets, unscale_first", [(True, False), (False, False),
+                                                    (False, True)])
+def test_cuda_graph_capture_and_replay(cuda, buckets, unscale_first):
+    """scale -> backward -> (unscale_) -> step -> update captured once, replayed with overflows
+    injected. Without buckets the captured launch reads a chunk table: evicted from the
+    cache and its memory reused after the capture, the replays must still see the overflow."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)).to(cuda)
+    iteration, _, scaler, multiplier = warmed_up_training(model, cuda, buckets, unscale_first)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         iteration()

@@ -9,8 +9,7 @@ import pytest
 import torch
 from _loops import assert_same_optimizer_state
 from _util import assert_all_same
-
-from triton_scaler import GradBuckets, GradScaler
+from test_gpu import warmed_up_training
 
 pytestmark = pytest.mark.gpu
 
@@ -22,29 +21,7 @@ def _train(cuda, buckets: bool, unscale_first: bool, captured: bool):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(),
                                 torch.nn.Linear(48, 5)).to(cuda)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
-    bucketed = GradBuckets(opt) if buckets else None
-    scaler = GradScaler("cuda", init_scale=2.0**10, growth_interval=2, backend="triton")
-    x = torch.randn(4, 32, device=cuda)
-    multiplier = torch.ones((), device=cuda)
-
-    def iteration():
-        if bucketed is not None:
-            bucketed.zero_()
-        else:
-            opt.zero_grad(set_to_none=False)
-        scaler.scale(model(x).square().mean() * multiplier).backward()
-        if unscale_first:
-            scaler.unscale_(opt)
-        scaler.step(opt)
-        scaler.update()
-
-    side = torch.cuda.Stream()  # warm-up on a side stream, as capture needs; both runs alike
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            iteration()
-    torch.cuda.current_stream().wait_stream(side)
+    iteration, opt, scaler, multiplier = warmed_up_training(model, cuda, buckets, unscale_first)
     step = iteration
     if captured:
         graph = torch.cuda.CUDAGraph()
