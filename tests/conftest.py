@@ -57,9 +57,9 @@ def _triton_launch(request):
         return
     from triton_scaler.kernels import launcher
 
-    launcher.DIRECT = False
+    before, launcher.DIRECT = launcher.DIRECT, False
     try:
         yield
     finally:
-        launcher.DIRECT = True
+        launcher.DIRECT = before
         launcher.clear()
