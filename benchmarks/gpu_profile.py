@@ -30,11 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _gpu_cases as cases  # noqa: E402
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _kernel_or_copy(event) -> bool:
     """A device-side event (a kernel, a copy); an op's own device time repeats its kernels'."""
     return getattr(event, "device_type", DeviceType.CPU) != DeviceType.CPU
@@ -50,18 +45,18 @@ def measure(fn: Callable[[], None], device: torch.device, calls: int) -> tuple[f
     sum of every kernel's and copy's own time in a profiled run of ``calls``; ops' device
     times, which repeat their kernels', left out), and the profiler's per-op averages."""
     fn()
-    _sync(device)
+    cases._sync(device)
     start = time.perf_counter()
     for _ in range(calls):
         fn()
-    _sync(device)
+    cases._sync(device)
     wall = (time.perf_counter() - start) / calls * 1e3
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
     with profile(activities=activities) as prof:
         for _ in range(calls):
             fn()
-        _sync(device)
+        cases._sync(device)
     averages = prof.key_averages()
     device_ms = sum(map(_self_device_us, filter(_kernel_or_copy, averages))) / calls / 1e3
     return wall, device_ms, averages
@@ -88,11 +83,11 @@ def train_lines(device: torch.device, smoke: bool, top: int = 12) -> list[str]:
         step, params = cases.train_step(name, device, smoke)
         for _ in range(2 if smoke else 4):
             step()
-        wall, dev, averages = measure(step, device, 2 if smoke else 5)
+        calls = 2 if smoke else 5
+        wall, dev, averages = measure(step, device, calls)
         lines += [f"### {name} ({params / 1e6:.0f}M params): wall {wall:.2f} ms, device "
                   f"{dev:.2f} ms per step", "", "| op or kernel | calls / step | device ms / step |"
                   " cpu ms / step |", "|---|---|---|---|"]
-        calls = 2 if smoke else 5
         ranked = sorted(averages, key=lambda e: (_self_device_us(e), e.self_cpu_time_total),
                         reverse=True)
         for e in ranked[:top]:

@@ -62,11 +62,12 @@ def as_tensor_list(grads: object, name: str = "grads") -> list[torch.Tensor]:
 _dtype_of, _device_of, _layout_of = (attrgetter(a) for a in ("dtype", "device", "layout"))
 
 
-def _group_grads(grads: list[torch.Tensor], device: torch.device):
+def _group_grads(grads: list[torch.Tensor], device: torch.device, plain: bool):
     """``grads`` split by dtype, every grad checked (a tensor of an accepted dtype, dense, on
-    ``device``). The usual case, plain dense grads of one dtype on ``device``, is checked in
-    C-level passes (half the per-grad loop's host time at 1000 grads)."""
-    if (_PLAIN.issuperset(map(type, grads)) and len(dtypes := set(map(_dtype_of, grads))) == 1
+    ``device``). The usual case, plain dense grads (``plain``: every one a Tensor or
+    Parameter, as the caller found) of one dtype on ``device``, is checked in C-level passes
+    (half the per-grad loop's host time at 1000 grads)."""
+    if (plain and len(dtypes := set(map(_dtype_of, grads))) == 1
             and dtypes.issubset(FLOAT_DTYPES) and set(map(_device_of, grads)) == {device}
             and set(map(_layout_of, grads)) == {torch.strided}):
         return [grads]
@@ -148,19 +149,21 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
         raise ValueError(f"inv_scale is on {inv_scale.device} but found_inf is on {found_inf.device}")
     resolved = resolve_backend(backend, found_inf.device)
     mesh_groups = None
-    if not _PLAIN.issuperset(map(type, grads)):  # rare: a DTensor (its local shard) or such
+    plain = _PLAIN.issuperset(map(type, grads))
+    if not plain:  # rare: a DTensor (its local shard) or such
         for i, g in enumerate(grads):
             if isinstance(g, torch.Tensor) and type(g) not in _PLAIN:
                 grads[i], groups = local_grad(g, resolved)
                 mesh_groups = mesh_groups or groups
+        plain = _PLAIN.issuperset(map(type, grads))
     if resolved == "reference" and write:
         try:  # torch's op checks the grads itself: no per-tensor Python work when they are fine
             unscale_group_(grads, found_inf, inv_scale, "reference", write)
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
-            _group_grads(grads, found_inf.device)  # raises the clearer error, if it finds one
+            _group_grads(grads, found_inf.device, plain)  # raises the clearer error, if it finds one
             raise
     else:
-        for group in _group_grads(grads, found_inf.device):
+        for group in _group_grads(grads, found_inf.device, plain):
             unscale_group_(group, found_inf, inv_scale, backend, write)
     if mesh_groups:  # as torch's op under DTensor dispatch: agree over the mesh
         agree_over_meshes({found_inf.device: found_inf}, {found_inf.device: mesh_groups})

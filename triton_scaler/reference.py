@@ -56,15 +56,17 @@ def non_finite_check_and_unscale_(
     any mix of float dtypes."""
     grads = _without_aliases(grads)
     for_torchs_op = grads
+    may_overflow = _may_overflow(inv_scale)
     if lacks_bf16_unscale(found_inf.device):
         bf16 = [g for g in grads if g.dtype == torch.bfloat16]
         if bf16:  # torch's op has no kernel for them here: its arithmetic in tensor ops
             multiply_as_torchs_op_(bf16, inv_scale)
-            check_(bf16, found_inf)  # a non-finite input gives a non-finite product
+            if not may_overflow:  # else the check of every product below covers them
+                check_(bf16, found_inf)  # a non-finite input gives a non-finite product
             for_torchs_op = [g for g in grads if g.dtype != torch.bfloat16]
     if for_torchs_op:
         torch._amp_foreach_non_finite_check_and_unscale_(for_torchs_op, found_inf, inv_scale)
-    if _may_overflow(inv_scale):
+    if may_overflow:
         # torch checks only the inputs; a scale below 1 (or 0) can overflow the products,
         # which are now stored in the grads.
         check_(grads, found_inf)
