@@ -7,7 +7,8 @@
 
 None of these functions synchronises with the host. ``backend`` is ``"auto"`` (Triton for CUDA
 tensors when triton is importable, else the pure-PyTorch reference), ``"reference"`` or
-``"triton"``.
+``"triton"``. On Triton, calls on grads at the addresses of one of the last eight grad lists,
+laid out as those were, launch that list's plans again (:mod:`._ops_plans`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from . import reference
 from ._backend import Backend, resolve_backend, triton_kernels
 from ._distributed import agree_over_meshes, local_grad
+from ._ops_plans import unscale_planned
 from .policy import ScalePolicy, cached_policy
 
 #: The grad dtypes the ops accept: torch's op takes these four (and no others).
@@ -162,6 +164,9 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
             _group_grads(grads, found_inf.device, plain)  # raises the clearer error, if it finds one
             raise
+    elif resolved == "triton" and plain:  # plans kept for grads at the same addresses
+        unscale_planned(grads, found_inf, inv_scale, write,
+                        lambda: _group_grads(grads, found_inf.device, plain))
     else:
         for group in _group_grads(grads, found_inf.device, plain):
             unscale_group_(group, found_inf, inv_scale, backend, write)
