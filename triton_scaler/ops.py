@@ -8,7 +8,8 @@
 None of these functions synchronises with the host. ``backend`` is ``"auto"`` (Triton for CUDA
 tensors when triton is importable, else the pure-PyTorch reference), ``"reference"`` or
 ``"triton"``. On Triton, calls on grads at the addresses of one of the last eight grad lists,
-laid out as those were, launch that list's plans again (:mod:`._ops_plans`).
+laid out as those were, launch that list's plans again (:mod:`._ops_plans`). Called from code
+that ``torch.compile`` compiles, each runs eagerly (a graph break), as GradScaler's methods.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from . import reference
 from ._backend import Backend, resolve_backend, triton_kernels
 from ._distributed import agree_over_meshes, local_grad
+from ._eager import eager_under_compile
 from ._ops_plans import unscale_planned
 from .policy import ScalePolicy, cached_policy
 
@@ -174,6 +176,7 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
         agree_over_meshes({found_inf.device: found_inf}, {found_inf.device: mesh_groups})
 
 
+@eager_under_compile
 def non_finite_check_and_unscale_(
     grads: Sequence[torch.Tensor],
     found_inf: torch.Tensor,
@@ -197,6 +200,7 @@ def non_finite_check_and_unscale_(
     _unscale_or_check(grads, found_inf, inv_scale, backend, write=True)
 
 
+@eager_under_compile
 def non_finite_check_(
     grads: Sequence[torch.Tensor],
     found_inf: torch.Tensor,
@@ -210,6 +214,7 @@ def non_finite_check_(
     _unscale_or_check(grads, found_inf, inv_scale, backend, write=False)
 
 
+@eager_under_compile
 def all_finite(tensors: Sequence[torch.Tensor], *, backend: Backend = "auto") -> torch.Tensor:
     """0-d bool tensor, on the tensors' device (CPU for an empty list): True when every element
     of every tensor is finite (MindSpore / jmp ``all_finite``). Computed on the device, no sync."""
@@ -221,6 +226,7 @@ def all_finite(tensors: Sequence[torch.Tensor], *, backend: Backend = "auto") ->
     return found == 0
 
 
+@eager_under_compile
 def update_scale_(
     scale: torch.Tensor,
     growth_tracker: torch.Tensor,
@@ -267,6 +273,7 @@ def update_scale_(
     return scale
 
 
+@eager_under_compile
 def update_with_policy_(scale: torch.Tensor, growth_tracker: torch.Tensor,
                         found_inf: torch.Tensor, policy: ScalePolicy, *,
                         hysteresis_tracker: torch.Tensor | None = None,
