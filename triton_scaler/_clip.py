@@ -20,6 +20,7 @@ from torch.amp.grad_scaler import OptState
 from . import reference
 from ._backend import resolve_backend, triton_kernels
 from ._distributed import MeshLayout, agree_over_meshes, norm_layout
+from ._eager import eager_under_compile
 from ._grads import PerDevice, grad_groups
 from ._norms import combine_partials, grad_norm, reference_total_norm
 from .buckets import attach_bucket_grads, buckets_of
@@ -99,6 +100,7 @@ def _raise_nonfinite(norm_type: float) -> None:
 class ClipMixin:
     """``clip_grad_norm_`` of :class:`triton_scaler.GradScaler`."""
 
+    @eager_under_compile  # traced, the Triton launches fail
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,
                         norm_type: float | str = 2.0, error_if_nonfinite: bool = False, *,
                         sharded: bool | None = None) -> torch.Tensor:

@@ -1,13 +1,16 @@
-"""The public ops (and an adapter built on them) called from code compiled by
-``torch.compile``: each call runs eagerly (a graph break, as GradScaler's methods), with
-torch's ops' results. Traced, the Triton launch fails (dynamo cannot trace the launcher)."""
+"""What runs eagerly when code compiled by ``torch.compile`` calls it (a graph break per
+call): the public ops, an adapter built on them, and the scaler's fused clip, on both
+backends, with the results of eager code and of torch's ops. Traced, the Triton launches
+failed. (GradScaler's ``unscale_`` / ``step`` / ``update`` on the reference backend:
+``tests/test_fused_and_compile.py``.)"""
 
 import math
 
+import pytest
 import torch
 from _util import assert_all_same, assert_same
 
-from triton_scaler import ops
+from triton_scaler import GradBuckets, GradScaler, ops
 from triton_scaler.compat import deepspeed
 
 SIZES = [0, 1, 4097, 33]
@@ -75,3 +78,56 @@ def test_a_deepspeed_scaler_in_compiled_code_as_in_eager(backend):
     assert run(True) == eager
     assert [overflow for overflow, _ in eager] == [False, True, True, False, False, False]
     assert len({scale for _, scale in eager}) > 2  # backed off twice, then grew
+
+
+def _clipped_training(backend, compiled, buckets=False, scaler_cls=GradScaler):
+    """Six steps of ``scale -> backward -> clip -> step -> update`` (an overflow at step 2):
+    the scales, the norms and the parameters. ``scaler_cls=torch.amp.GradScaler``: torch's
+    ``unscale_`` + ``clip_grad_norm_`` in place of ours."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    bucketed = GradBuckets(opt) if buckets else None
+    scaler = scaler_cls("cpu", init_scale=2.0**10, growth_interval=2,
+                        **({} if scaler_cls is torch.amp.GradScaler else {"backend": backend}))
+
+    def step(x, multiplier):
+        if bucketed is not None:
+            bucketed.zero_()
+        else:
+            opt.zero_grad()
+        scaler.scale(model(x).square().mean() * multiplier).backward()
+        if scaler_cls is torch.amp.GradScaler:
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        else:
+            norm = scaler.clip_grad_norm_(opt, 0.5)
+        scaler.step(opt)
+        scaler.update()
+        return norm
+
+    step = torch.compile(step, backend="aot_eager") if compiled else step
+    gen = torch.Generator().manual_seed(1)
+    scales, norms = [], []
+    for i in range(6):
+        norms.append(step(torch.randn(4, 8, generator=gen),
+                          torch.tensor(math.inf if i == 2 else 1.0)).detach().clone())
+        scales.append(scaler.get_scale())
+    return scales, norms, [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_same_training(actual, expected):
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])
+    assert_all_same(actual[2], expected[2])
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_the_fused_clip_in_compiled_code_as_in_eager(backend, buckets):
+    eager = _clipped_training(backend, compiled=False, buckets=buckets)
+    _assert_same_training(_clipped_training(backend, compiled=True, buckets=buckets), eager)
+    assert eager[0] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 2048.0]  # grew, backed off
+    assert not math.isfinite(eager[1][2]) and math.isfinite(eager[1][3])
+    if backend == "reference":  # torch's arithmetic: torch's own route, bit for bit
+        _assert_same_training(eager, _clipped_training(backend, compiled=False,
+                                                       scaler_cls=torch.amp.GradScaler))
