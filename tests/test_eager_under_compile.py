@@ -131,3 +131,37 @@ def test_the_fused_clip_in_compiled_code_as_in_eager(backend, buckets):
     if backend == "reference":  # torch's arithmetic: torch's own route, bit for bit
         _assert_same_training(eager, _clipped_training(backend, compiled=False,
                                                        scaler_cls=torch.amp.GradScaler))
+
+
+def test_the_privates_integrators_call_in_compiled_code_as_in_eager(backend):
+    """``_unscale_grads_`` and ``_check_inf_per_device`` (torch's run eagerly: dynamo skips
+    torch.amp) called from compiled code: the eager results, planted inf and all."""
+    def run(compiled):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 4097, 1)]
+        opt = torch.optim.SGD(params, lr=0.1)
+        scaler = GradScaler("cpu", init_scale=2.0**10, backend=backend)
+
+        def look(inv):
+            checked = scaler._check_inf_per_device(opt)
+            found = torch.zeros(())
+            unscaled = scaler._unscale_grads_(opt, inv, found, False)
+            return [v.clone() for v in checked.values()], [v.clone() for v in unscaled.values()]
+
+        look = torch.compile(look, backend="aot_eager") if compiled else look
+        results = []
+        for i in range(3):
+            scaler.scale(sum(p.sum() for p in params))  # the scale exists
+            for j, p in enumerate(params):
+                p.grad = torch.full_like(p, 3.0)
+                if i == 1 and j == 2:
+                    p.grad[-1] = math.inf
+            results.append((look(torch.tensor(0.25)), [p.grad.clone() for p in params]))
+            scaler._per_optimizer_states.clear()
+        return results
+
+    eager = run(False)
+    for (flags, grads), (flags_eager, grads_eager) in zip(run(True), eager):
+        assert_all_same(flags[0] + flags[1], flags_eager[0] + flags_eager[1])
+        assert_all_same(grads, grads_eager)
+    assert [float(r[0][0][0]) for r in eager] == [0.0, 1.0, 0.0]

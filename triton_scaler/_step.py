@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from ._eager import eager_under_compile
 from ._host_copy import copy_to_host_async
 
 #: On the optimizer: (its step function, whether that takes ``grad_scaler``).
@@ -95,6 +96,7 @@ class StepMixin:
             return self._host_spans[index], index
         return torch.stack([self._scale.to(agreed.device), agreed]), 1
 
+    @eager_under_compile  # as torch's (dynamo skips torch.amp)
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
                         *args: Any, **kwargs: Any) -> float | None:
         if not self._policy.skip_on_overflow:

@@ -121,6 +121,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         return super().scale(check_outputs(outputs))
 
     # ------------------------------------------------------------------ device work
+    @eager_under_compile  # as torch's (dynamo skips torch.amp)
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                         found_inf: torch.Tensor, allow_fp16: bool
                         ) -> dict[torch.device, torch.Tensor]:
@@ -198,6 +199,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
             raise RuntimeError("unscale_() is being called after step().")
         return state
 
+    @eager_under_compile  # as torch's (dynamo skips torch.amp)
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """Read-only inf/NaN check of the optimizer's grads (the fused-optimizer route)."""
         self._check_scale_growth_tracker("_check_inf_per_device")
