@@ -7,6 +7,12 @@ Runs on CPU (no GPU needed): the host path is the same Python either way. The ta
 RESULTS.md comes from ``python benchmarks/_host_cost.py``, which times both scalers
 alternately in one process (here each case is its own test)."""
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from _bench_common import FULL
 from _host_cost import CASES, HOST_LAYOUTS, label, make_step
@@ -73,3 +79,16 @@ def test_ops_call_host_cost(benchmark, n_grads, case, kept):
         benchmark.extra_info.update(case="ops host", n_grads=n_grads, grads=case, kept=kept)
         benchmark.pedantic(call, setup=prepare, rounds=1 if not benchmark.enabled else 21,
                            warmup_rounds=0)
+
+
+def test_the_dtensor_host_cost_script_prints_its_table():
+    """``_dtensor_host_cost.py`` (a one-rank gloo mesh, in its own process: RESULTS.md's
+    DTensor table) runs and prints a row per size."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).with_name("_dtensor_host_cost.py")
+    done = subprocess.run([sys.executable, str(script), "3"], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "MASTER_PORT": str(port)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert any(line.startswith("| 3 | ") for line in done.stdout.splitlines()), done.stdout

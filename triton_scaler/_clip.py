@@ -45,8 +45,9 @@ def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, fl
 def _norm_entries(params) -> list[tuple[torch.Tensor, MeshLayout | None]]:
     """``(grad, mesh layout)`` of each parameter with a grad, for :func:`reference_total_norm`:
     a DTensor grad's local tensor and its mesh; ``None`` for a plain grad."""
-    return [norm_layout(param.grad) if type(param.grad) is not torch.Tensor else (param.grad, None)
-            for param in params]
+    meshes: dict = {}  # the DTensor grads' meshes, looked up once per call
+    return [norm_layout(param.grad, meshes) if type(param.grad) is not torch.Tensor
+            else (param.grad, None) for param in params]
 
 
 def _group_partial(group, found_inf, scale, norm_type: float, backend: str) -> torch.Tensor:

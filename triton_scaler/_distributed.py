@@ -10,26 +10,50 @@ from typing import Any
 
 import torch
 
+_DTENSOR: type | None = None  # torch.distributed.tensor.DTensor, once imported
+
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+    global _DTENSOR
+    if _DTENSOR is None:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # torch built without distributed
+            return False
+        _DTENSOR = DTensor
+    return isinstance(t, _DTENSOR)
 
 
-def local_grad(grad: torch.Tensor, backend: str) -> tuple[torch.Tensor, tuple[Any, ...] | None]:
+def dtensor_local(grad: torch.Tensor, meshes: dict | None = None
+                  ) -> tuple[torch.Tensor, tuple[Any, ...]] | None:
+    """A DTensor grad's local tensor and the process groups over which found_inf must be
+    agreed (its mesh dimensions that are not ``Replicate``, as torch), or None for any other
+    grad. ``meshes``: a dict the caller keeps across the grads of one call, so that grads on
+    one mesh, sharded alike, look their groups up once (``DeviceMesh.get_group`` resolves a
+    group by name: microseconds per grad)."""
+    if not _is_dtensor(grad):
+        return None
+    mesh = grad.device_mesh
+    dims = tuple(dim for dim, placement in enumerate(grad.placements)
+                 if not placement.is_replicate())
+    known = meshes.get((id(mesh), dims)) if meshes is not None else None
+    if known is None or known[0] is not mesh:
+        known = (mesh, tuple(mesh.get_group(dim) for dim in dims))
+        if meshes is not None:
+            meshes[id(mesh), dims] = known
+    return grad._local_tensor, known[1]
+
+
+def local_grad(grad: torch.Tensor, backend: str, meshes: dict | None = None
+               ) -> tuple[torch.Tensor, tuple[Any, ...] | None]:
     """For a grad that is not a plain tensor: the plain tensor holding this rank's elements,
-    and the process groups over which found_inf must be agreed (a DTensor's mesh dimensions
-    that are not ``Replicate``, as torch). Other subclasses pass through unchanged on the
-    reference backend (torch's op dispatches them) and raise ``TypeError`` on the Triton
-    backend, which takes raw pointers and would read the wrong memory."""
-    if _is_dtensor(grad):
-        mesh = grad.device_mesh
-        groups = tuple(mesh.get_group(dim) for dim, placement in enumerate(grad.placements)
-                       if not placement.is_replicate())
-        return grad._local_tensor, groups
+    and the process groups over which found_inf must be agreed (:func:`dtensor_local`).
+    Other subclasses pass through unchanged on the reference backend (torch's op dispatches
+    them) and raise ``TypeError`` on the Triton backend, which takes raw pointers and would
+    read the wrong memory."""
+    local = dtensor_local(grad, meshes)
+    if local is not None:
+        return local
     if backend != "reference":
         raise TypeError(
             f"a gradient is a {type(grad).__module__}.{type(grad).__name__}, a tensor subclass "
@@ -51,15 +75,23 @@ class MeshLayout:
     sharded: tuple[bool, ...]
 
 
-def norm_layout(grad: torch.Tensor) -> tuple[torch.Tensor, MeshLayout | None]:
-    """A grad's local tensor and, for a DTensor, its :class:`MeshLayout` (None otherwise)."""
+def norm_layout(grad: torch.Tensor, meshes: dict | None = None
+                ) -> tuple[torch.Tensor, MeshLayout | None]:
+    """A grad's local tensor and, for a DTensor, its :class:`MeshLayout` (None otherwise).
+    ``meshes``: a dict the caller keeps across the grads of one call (as
+    :func:`dtensor_local`'s), so that grads on one mesh, sharded alike, share one layout."""
     if not _is_dtensor(grad):
         return grad, None
     mesh = grad.device_mesh
-    dims = range(mesh.ndim)
-    return grad._local_tensor, MeshLayout(
-        mesh, tuple(mesh.get_group(d) for d in dims), tuple(mesh.size(d) for d in dims),
-        tuple(not placement.is_replicate() for placement in grad.placements))
+    sharded = tuple(not placement.is_replicate() for placement in grad.placements)
+    layout = meshes.get((id(mesh), sharded)) if meshes is not None else None
+    if layout is None or layout.mesh is not mesh:
+        dims = range(mesh.ndim)
+        layout = MeshLayout(mesh, tuple(mesh.get_group(d) for d in dims),
+                            tuple(mesh.size(d) for d in dims), sharded)
+        if meshes is not None:
+            meshes[id(mesh), sharded] = layout
+    return grad._local_tensor, layout
 
 
 def agree_over_meshes(found_inf_by_device: dict[torch.device, torch.Tensor],

@@ -155,9 +155,10 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
     mesh_groups = None
     plain = _PLAIN.issuperset(map(type, grads))
     if not plain:  # rare: a DTensor (its local shard) or such
+        meshes: dict = {}
         for i, g in enumerate(grads):
             if isinstance(g, torch.Tensor) and type(g) not in _PLAIN:
-                grads[i], groups = local_grad(g, resolved)
+                grads[i], groups = local_grad(g, resolved, meshes)
                 mesh_groups = mesh_groups or groups
         plain = _PLAIN.issuperset(map(type, grads))
     if resolved == "reference" and write:
