@@ -19,7 +19,7 @@ from torch.amp.grad_scaler import OptState
 
 from . import reference
 from ._backend import resolve_backend, triton_kernels
-from ._distributed import MeshLayout, agree_over_meshes, norm_layout
+from ._distributed import MeshLayout, agree_over_meshes, mesh_layout
 from ._eager import eager_under_compile
 from ._grads import PerDevice, grad_groups
 from ._norms import combine_partials, grad_norm, reference_total_norm
@@ -46,7 +46,7 @@ def _norm_entries(params) -> list[tuple[torch.Tensor, MeshLayout | None]]:
     """``(grad, mesh layout)`` of each parameter with a grad, for :func:`reference_total_norm`:
     a DTensor grad's local tensor and its mesh; ``None`` for a plain grad."""
     meshes: dict = {}  # the DTensor grads' meshes, looked up once per call
-    return [norm_layout(param.grad, meshes) if type(param.grad) is not torch.Tensor
+    return [mesh_layout(param.grad, meshes) if type(param.grad) is not torch.Tensor
             else (param.grad, None) for param in params]
 
 

@@ -5,7 +5,7 @@ when a tensor subclass is actually seen."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,20 +28,9 @@ def dtensor_local(grad: torch.Tensor, meshes: dict | None = None
                   ) -> tuple[torch.Tensor, tuple[Any, ...]] | None:
     """A DTensor grad's local tensor and the process groups over which found_inf must be
     agreed (its mesh dimensions that are not ``Replicate``, as torch), or None for any other
-    grad. ``meshes``: a dict the caller keeps across the grads of one call, so that grads on
-    one mesh, sharded alike, look their groups up once (``DeviceMesh.get_group`` resolves a
-    group by name: microseconds per grad)."""
-    if not _is_dtensor(grad):
-        return None
-    mesh = grad.device_mesh
-    dims = tuple(dim for dim, placement in enumerate(grad.placements)
-                 if not placement.is_replicate())
-    known = meshes.get((id(mesh), dims)) if meshes is not None else None
-    if known is None or known[0] is not mesh:
-        known = (mesh, tuple(mesh.get_group(dim) for dim in dims))
-        if meshes is not None:
-            meshes[id(mesh), dims] = known
-    return grad._local_tensor, known[1]
+    grad. ``meshes``: as :func:`mesh_layout`'s."""
+    local, layout = mesh_layout(grad, meshes)
+    return None if layout is None else (local, layout.agreed_over)
 
 
 def local_grad(grad: torch.Tensor, backend: str, meshes: dict | None = None
@@ -73,13 +62,20 @@ class MeshLayout:
     groups: tuple[Any, ...]
     sizes: tuple[int, ...]
     sharded: tuple[bool, ...]
+    #: the groups of the dimensions the grad is sharded on, over which found_inf is agreed
+    agreed_over: tuple[Any, ...] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "agreed_over",
+                           tuple(g for g, s in zip(self.groups, self.sharded) if s))
 
 
-def norm_layout(grad: torch.Tensor, meshes: dict | None = None
+def mesh_layout(grad: torch.Tensor, meshes: dict | None = None
                 ) -> tuple[torch.Tensor, MeshLayout | None]:
     """A grad's local tensor and, for a DTensor, its :class:`MeshLayout` (None otherwise).
-    ``meshes``: a dict the caller keeps across the grads of one call (as
-    :func:`dtensor_local`'s), so that grads on one mesh, sharded alike, share one layout."""
+    ``meshes``: a dict the caller keeps across the grads of one call, so that grads on one
+    mesh, sharded alike, share one layout (``DeviceMesh.get_group`` resolves a group by
+    name: microseconds per grad)."""
     if not _is_dtensor(grad):
         return grad, None
     mesh = grad.device_mesh
