@@ -46,6 +46,10 @@ def test_scale_unscale_and_all_finite(backend):
 
 def test_managers_configure_grad_scalers():
     fixed = FixedLossScaleManager(256.0, drop_overflow_update=False)
+    assert (fixed.get_loss_scale(), fixed.get_drop_overflow_update()) == (256.0, False)
+    manager = DynamicLossScaleManager(2.0**10, 2, 50)  # MindSpore's getters
+    assert (manager.get_loss_scale(), manager.get_drop_overflow_update()) == (2.0**10, True)
+    assert (manager.scale_factor, manager.scale_window) == (2, 50)
     scaler = fixed.get_grad_scaler("cpu")
     assert isinstance(scaler, GradScaler) and scaler.get_scale() == 256.0
     state = scaler.state_dict()

@@ -278,6 +278,31 @@ def test_scheduler_steps_only_on_applied_steps_without_sync(backend):
     assert opt.param_groups[0]["lr"] == 0.5 ** (8 - len(overflow_at))
 
 
+def test_scheduler_state_dict_counts_pending_steps_and_loads_into_a_new_wrapper(backend):
+    """``state_dict`` first applies every pending flag (``flush``), so a checkpoint counts all
+    applied steps; ``load_state_dict`` restores the wrapped scheduler and drops what was
+    pending."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = GradScaler("cpu", backend=backend)
+    wrapped = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), scaler)
+    for overflow in (False, True, False, False):
+        scaler.scale(p.sum() * (math.inf if overflow else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        wrapped.step()
+        opt.zero_grad()
+    state = wrapped.state_dict()
+    assert state["last_epoch"] == 3 and state == wrapped.scheduler.state_dict()
+    fresh_opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)
+    fresh = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(fresh_opt, 1, gamma=0.5),
+                               GradScaler("cpu", backend=backend))
+    fresh._pending.append((torch.zeros((), dtype=torch.bool), None))  # an applied step, pending
+    fresh.load_state_dict(state)
+    fresh.flush()  # nothing left to apply
+    assert fresh.scheduler.last_epoch == 3
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_dynamo_traces_a_step_with_few_graph_breaks(fused):
     """step / unscale_ / update run eagerly under compile (dynamo skips torch.amp's scaler the

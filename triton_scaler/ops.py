@@ -188,9 +188,10 @@ def non_finite_check_and_unscale_(
     """Multiply every grad by ``inv_scale`` in place and flag non-finite values.
 
     Args:
-        grads: float32 / float16 / bfloat16 tensors (any sizes, contiguous or not), all on
-            ``found_inf``'s device. Each element becomes ``dtype(fp32(x) * inv_scale)``,
-            bit-identical to ``torch._amp_foreach_non_finite_check_and_unscale_``.
+        grads: float32 / float16 / bfloat16 / float64 tensors (any sizes, contiguous or
+            not), all on ``found_inf``'s device. Each element becomes
+            ``dtype(fp32(x) * inv_scale)`` (float64: ``x * fp64(inv_scale)``), bit-identical
+            to ``torch._amp_foreach_non_finite_check_and_unscale_``.
         found_inf: one-element float32 tensor; set to exactly 1.0 when an input element or its
             product is non-finite, otherwise left untouched (callers zero it).
         inv_scale: one-element float32 tensor on the same device.
@@ -287,11 +288,12 @@ def update_with_policy_(scale: torch.Tensor, growth_tracker: torch.Tensor,
     _check_flag("found_inf", found_inf, torch.float32)
     if hysteresis_tracker is not None:
         _check_flag("hysteresis_tracker", hysteresis_tracker, torch.int32)
-    tensors = [growth_tracker, found_inf] + ([hysteresis_tracker] if hysteresis_tracker is not None else [])
-    for t in tensors:
-        if t.device != scale.device:
-            raise ValueError(f"scale is on {scale.device} but a state tensor is on {t.device}; "
-                             "all must share one device")
+    for name, t in (("growth_tracker", growth_tracker), ("found_inf", found_inf),
+                    ("hysteresis_tracker", hysteresis_tracker)):
+        if t is not None and t.device != scale.device:
+            raise ValueError(f"{name} is on {t.device} but scale is on {scale.device}; scale, "
+                             "growth_tracker, found_inf and hysteresis_tracker must share one "
+                             "device")
     if resolve_backend(backend, scale.device) == "triton":
         if params is None:
             params = policy.kernel_params(scale.device)

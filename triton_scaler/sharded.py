@@ -81,6 +81,13 @@ class ShardedGradScaler(GradScaler):
     def _process_group(self, group: Any) -> None:
         self.process_group = group
 
+    def _ready_to_unscale(self, optimizer: torch.optim.Optimizer, funcname: str) -> dict:
+        """GradScaler's, with the agreement group looked up first: without one,
+        ``NoDefaultGroupError`` leaves the grads still scaled and the iteration as it was
+        (torch's raises at its all-reduce, after unscaling)."""
+        _ = self._process_group
+        return super()._ready_to_unscale(optimizer, funcname)
+
     @overload  # as GradScaler.scale's
     def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
     @overload

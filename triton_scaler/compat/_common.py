@@ -1,4 +1,4 @@
-"""Helpers shared by the adapters: device default, gradient lists, argument checks."""
+"""Helpers shared by the adapters: the default device and the gradient lists."""
 
 from __future__ import annotations
 
@@ -23,16 +23,3 @@ def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
             grads.append(g._values() if g.is_sparse else g)
     return grads
 
-
-def require(name: str, value: object, ok: bool, accepted: str) -> None:
-    """Raise ``ValueError`` naming the adapter's own argument and its accepted values."""
-    if isinstance(value, bool) or not ok:
-        raise ValueError(f"{name} must be {accepted}; got {value!r}")
-
-
-def is_int(value: object, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
