@@ -1,8 +1,9 @@
 """Bad input a coverage run of the suite found untested: tensors on different devices handed
 to the public ops, a state_dict that is not one, scale settings misspelt or out of range, a
 ShardedGradScaler with no group to agree over, a grad that is a view into another buffer under
-GradBuckets. Each raises naming the argument, and changes nothing. No GPU: the "other
-device" is ``meta``, on which nothing runs."""
+GradBuckets, a parameter that is not a tensor, apex state of the wrong shape. Each raises
+naming the argument, and changes nothing. No GPU: the "other device" is ``meta``, on which
+nothing runs."""
 
 import math
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from triton_scaler import GradBuckets, GradScaler, ScalePolicy, ops, policy
+from triton_scaler.compat.apex import Amp
 from triton_scaler.sharded import NoDefaultGroupError, ShardedGradScaler
 
 
@@ -106,3 +108,22 @@ def test_a_grad_viewing_another_buffer_is_refused_under_grad_buckets(backend):
         scaler.unscale_(opt)
     assert torch.equal(other, torch.full((10,), 8.0))
     assert torch.equal(q.grad, torch.full((4,), 8.0))
+
+
+def test_grad_buckets_name_a_parameter_that_is_not_a_tensor_and_claim_none():
+    p = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(TypeError, match="^parameter 1 is a str, not a tensor$"):
+        GradBuckets([p, "weight"])
+    assert len(GradBuckets([p]).buckets) == 1  # the failed call left p unclaimed
+
+
+def test_apex_load_state_dict_names_the_keys_it_needs(backend):
+    amp = Amp(num_losses=2, backend=backend)
+    before = amp.state_dict()
+    expected = r"state_dict must have exactly the keys \['loss_scaler0', 'loss_scaler1'\] " \
+               r"\(this Amp has 2 losses\); got "
+    with pytest.raises(ValueError, match=expected + r"\['loss_scaler0'\]$"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}})
+    with pytest.raises(ValueError, match=expected + r"\[1, 2\]$"):
+        amp.load_state_dict([1, 2])
+    assert amp.state_dict() == before
