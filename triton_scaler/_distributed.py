@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ._backend import resolve_backend
+
 _DTENSOR: type | None = None  # torch.distributed.tensor.DTensor, once imported
 
 
@@ -24,26 +26,19 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, _DTENSOR)
 
 
-def dtensor_local(grad: torch.Tensor, meshes: dict | None = None
-                  ) -> tuple[torch.Tensor, tuple[Any, ...]] | None:
-    """A DTensor grad's local tensor and the process groups over which found_inf must be
-    agreed (its mesh dimensions that are not ``Replicate``, as torch), or None for any other
-    grad. ``meshes``: as :func:`mesh_layout`'s."""
-    local, layout = mesh_layout(grad, meshes)
-    return None if layout is None else (local, layout.agreed_over)
-
-
 def local_grad(grad: torch.Tensor, backend: str, meshes: dict | None = None
                ) -> tuple[torch.Tensor, tuple[Any, ...] | None]:
     """For a grad that is not a plain tensor: the plain tensor holding this rank's elements,
-    and the process groups over which found_inf must be agreed (:func:`dtensor_local`).
-    Other subclasses pass through unchanged on the reference backend (torch's op dispatches
-    them) and raise ``TypeError`` on the Triton backend, which takes raw pointers and would
-    read the wrong memory."""
-    local = dtensor_local(grad, meshes)
-    if local is not None:
-        return local
-    if backend != "reference":
+    and the process groups over which found_inf must be agreed. A DTensor gives its local
+    tensor and its mesh dimensions that are not ``Replicate`` (as torch; ``meshes``: as
+    :func:`mesh_layout`'s). Other subclasses pass through unchanged on the reference backend
+    (torch's op dispatches them) and raise ``TypeError`` on the Triton backend, which takes
+    raw pointers and would read the wrong memory. ``backend`` may be ``"auto"``: it is
+    resolved for the grad's device only for such other subclasses."""
+    local, layout = mesh_layout(grad, meshes)
+    if layout is not None:
+        return local, layout.agreed_over
+    if resolve_backend(backend, grad.device) != "reference":
         raise TypeError(
             f"a gradient is a {type(grad).__module__}.{type(grad).__name__}, a tensor subclass "
             "the Triton backend cannot take (it reads raw memory); plain tensors and DTensor "

@@ -24,7 +24,7 @@ from torch.amp.grad_scaler import _MultiDeviceReplicator
 
 from . import ops
 from ._backend import resolve_backend, triton_kernels
-from ._distributed import dtensor_local, local_grad
+from ._distributed import local_grad
 from ._stored_plans import StoredPlans, tensor_guards
 from .buckets import buckets_of, param_lists, same_param_lists
 
@@ -273,9 +273,7 @@ def _groups_slow(params, allow_fp16: bool, backend: str):
             continue
         on_mesh = None
         if type(grad) is not plain:  # DTensor (FSDP2): its local shard
-            local = dtensor_local(grad, meshes)
-            grad, on_mesh = local if local is not None else \
-                local_grad(grad, resolve_backend(backend, grad.device))
+            grad, on_mesh = local_grad(grad, backend, meshes)
         dtype = grad.dtype
         if dtype == fp16 and not allow_fp16:
             raise ValueError("Attempting to unscale FP16 gradients.")
