@@ -131,6 +131,34 @@ def _a_rank_without_grads(rank, backend):
     return total.isnan().item(), scaler.get_scale(), param.detach().clone()
 
 
+def _nonfinite_on_one_rank(rank, backend, norm_type, enabled):
+    """``error_if_nonfinite=True`` with ``sharded=True``: rank 0 holds an inf, rank 1 none.
+    The global norm is inf, so both ranks raise, leaving their grads unscaled and unclipped;
+    then ``step`` skips on both (found_inf agreed over the group) and ``update`` backs off.
+    Returns the message (or None), the grads after the raise, the scale and the params."""
+    from triton_scaler import GradScaler
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 300 + rank)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = GradScaler("cpu", init_scale=4.0, backend=backend, enabled=enabled,
+                        process_group=dist.group.WORLD)
+    gen = torch.Generator().manual_seed(rank + 30)
+    targets = [torch.randn(p.shape, generator=gen) for p in params]
+    if rank == 0:
+        targets[-1][-1] = math.inf
+    scaler.scale(sum((p * t).sum() for p, t in zip(params, targets))).backward()
+    try:
+        scaler.clip_grad_norm_(opt, 1.0, norm_type, error_if_nonfinite=True, sharded=True)
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    grads = [p.grad.clone() for p in params]
+    scaler.step(opt)
+    scaler.update()
+    return {"message": message, "targets": targets, "grads": grads,
+            "scale": scaler.get_scale(), "params": [p.detach().clone() for p in params]}
+
+
 def _sharded_errors(backend):
     """With a process_group and plain grads, ``sharded`` must say whether they are shards."""
     from triton_scaler import GradScaler
@@ -194,6 +222,9 @@ def run_clip(rank, world_size, store_file, backend, out_dir):
             results["with_a_dtensor", norm_type] = _shards_and_a_dtensor(rank, backend,
                                                                          norm_type)
         results["a_rank_without_grads"] = _a_rank_without_grads(rank, backend)
+        for norm_type, enabled in CLIP_CASES:
+            results["nonfinite_on_one_rank", norm_type, enabled] = _nonfinite_on_one_rank(
+                rank, backend, norm_type, enabled)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:

@@ -25,6 +25,7 @@ from _engines_clip import CLIP_CASES, CLIP_ENGINES, run_clip, run_clip_engines
 from _engines_features import run_buckets
 from _engines_mesh import mesh_results
 from _spawn import spawn_bounded, spawned_results, store_file_in
+from _util import assert_all_same
 
 from triton_scaler import GradScaler, ops
 
@@ -140,6 +141,18 @@ def test_clip_grad_norm_is_global_with_a_process_group(backend, tmp_path):
     for r in ranks:
         nan_norm, scale, param = r["a_rank_without_grads"]
         assert nan_norm and scale == 2.0 and torch.equal(param, torch.ones(3))
+    for norm_type, enabled in CLIP_CASES:  # error_if_nonfinite: an inf on rank 0 alone
+        for r in ranks:
+            got = r["nonfinite_on_one_rank", norm_type, enabled]
+            assert got["message"] is not None and \
+                f"total norm of order {norm_type} for gradients" in got["message"] and \
+                "is non-finite, so it cannot be clipped" in got["message"], (norm_type, enabled)
+            assert_all_same(got["grads"], got["targets"])  # unscaled (* 4 / 4), not clipped
+            if enabled:  # step skipped on both ranks, the scale backed off
+                assert got["scale"] == 2.0
+                assert_all_same(got["params"], [torch.zeros_like(t) for t in got["targets"]])
+            else:  # no scaler: step takes the grads as they are
+                assert_all_same(got["params"], [t * -0.1 for t in got["targets"]])
 
 
 def _clip_engine_results(backend, tmp_path_factory, engine=None):

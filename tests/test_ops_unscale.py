@@ -1,6 +1,7 @@
 """non_finite_check_and_unscale_ / non_finite_check_ / all_finite against torch's own op."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -253,6 +254,37 @@ def test_the_check_names_a_grad_off_found_infs_device_or_sparse(backend):
     for op in (ops.non_finite_check_, ops.non_finite_check_and_unscale_):
         with pytest.raises(TypeError, match=r"grads\[0\] is sparse; pass its ._values\(\)"):
             op([torch.ones(2).to_sparse()], found, one, backend=backend)
+
+
+def _nested(layout: torch.layout) -> torch.Tensor:
+    with warnings.catch_warnings():  # the strided layout's "prototype stage" warning
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.ones(2, 3), torch.full((4, 3), math.inf)],
+                                          layout=layout)
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+@pytest.mark.parametrize("where", ["alone", "first", "last"])
+def test_the_check_names_a_nested_grad_and_changes_nothing(backend, layout, where):
+    """torch's op refuses a nested tensor (its dispatch has no kernel for it); both backends
+    refuse it by name, before a grad changes: alone, first or last among plain grads (the
+    Triton backend would read a contiguous one's buffer as one tensor)."""
+    plain = [torch.full((5,), 8.0), torch.full((3,), 8.0)]
+    grads = {"alone": [_nested(layout)], "first": [_nested(layout), *plain],
+             "last": [*plain, _nested(layout)]}[where]
+    index = len(grads) - 1 if where == "last" else 0
+    with pytest.raises(NotImplementedError):  # the behaviour the message stands in for
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            list(grads), torch.zeros(()), torch.full((), 0.5))
+    for op in (ops.non_finite_check_, ops.non_finite_check_and_unscale_):
+        found = torch.zeros(())
+        with pytest.raises(TypeError, match=rf"grads\[{index}\] is a nested tensor, which "
+                                            r"neither backend .* takes; pass its components"):
+            op(grads, found, torch.full((), 0.5), backend=backend)
+        assert torch.equal(found, torch.zeros(()))
+        assert all(torch.equal(g, torch.full_like(g, 8.0)) for g in plain)
+    with pytest.raises(TypeError, match=rf"grads\[{index}\] is a nested tensor"):
+        ops.all_finite(grads, backend=backend)
 
 
 class _LooksLikeAGrad:

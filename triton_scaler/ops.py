@@ -63,17 +63,24 @@ def as_tensor_list(grads: object, name: str = "grads") -> list[torch.Tensor]:
                         f"{type(grads).__name__}") from None
 
 
-_dtype_of, _device_of, _layout_of = (attrgetter(a) for a in ("dtype", "device", "layout"))
+_dtype_of, _device_of, _layout_of, _is_nested = (
+    attrgetter(a) for a in ("dtype", "device", "layout", "is_nested"))
+
+
+def _nested_grad_error(i: int) -> TypeError:
+    return TypeError(f"grads[{i}] is a nested tensor, which neither backend (nor torch's op) "
+                     "takes; pass its components (.unbind()) or its values (jagged: .values())")
 
 
 def _group_grads(grads: list[torch.Tensor], device: torch.device, plain: bool):
-    """``grads`` split by dtype, every grad checked (a tensor of an accepted dtype, dense, on
-    ``device``). The usual case, plain dense grads (``plain``: every one a Tensor or
+    """``grads`` split by dtype, every grad checked (a tensor of an accepted dtype, dense and
+    not nested, on ``device``). The usual case, plain dense grads (``plain``: every one a Tensor or
     Parameter, as the caller found) of one dtype on ``device``, is checked in C-level passes
     (half the per-grad loop's host time at 1000 grads)."""
     if (plain and len(dtypes := set(map(_dtype_of, grads))) == 1
             and dtypes.issubset(FLOAT_DTYPES) and set(map(_device_of, grads)) == {device}
-            and set(map(_layout_of, grads)) == {torch.strided}):
+            and set(map(_layout_of, grads)) == {torch.strided}
+            and not any(map(_is_nested, grads))):
         return [grads]
     groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for i, g in enumerate(grads):
@@ -85,6 +92,8 @@ def _group_grads(grads: list[torch.Tensor], device: torch.device, plain: bool):
                              "every grad must be on found_inf's device")
         if g.is_sparse:
             raise TypeError(f"grads[{i}] is sparse; pass its ._values()")
+        if g.is_nested:
+            raise _nested_grad_error(i)
         groups[g.dtype].append(g)
     return groups.values()
 
@@ -158,6 +167,8 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
         meshes: dict = {}
         for i, g in enumerate(grads):
             if isinstance(g, torch.Tensor) and type(g) not in _PLAIN:
+                if g.is_nested:  # jagged (a subclass); strided ones are checked with the rest
+                    raise _nested_grad_error(i)
                 grads[i], groups = local_grad(g, resolved, meshes)
                 mesh_groups = mesh_groups or groups
         plain = _PLAIN.issuperset(map(type, grads))
