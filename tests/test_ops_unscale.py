@@ -185,11 +185,23 @@ def test_empty_list_and_empty_tensors(backend):
     assert found.item() == 0.0
 
 
-def test_repeated_calls_reuse_the_cached_chunk_table(triton_device):
+@pytest.fixture
+def no_kept_plans():
+    """No chunk table, size pattern or ops plan kept from earlier tests: grads of a test
+    before, freed, leave their addresses to this one's, whose calls would then launch that
+    test's kept plans and build no table (seen with torch 2.11's allocator)."""
+    from triton_scaler import _ops_plans
     from triton_scaler.kernels import plan
 
+    for cache in (plan._tables, plan._chunk_patterns, _ops_plans._stored):
+        cache.clear()
+    yield plan
+    _ops_plans.clear()
+
+
+def test_repeated_calls_reuse_the_cached_chunk_table(triton_device, no_kept_plans):
+    plan = no_kept_plans
     grads = [g.to(triton_device) for g in _grads([10, 20, 30], torch.float32)]
-    plan._tables.clear()
     for _ in range(3):
         ops.non_finite_check_and_unscale_(grads, torch.zeros((), device=triton_device),
                                           torch.tensor(1.0, device=triton_device),
@@ -198,16 +210,13 @@ def test_repeated_calls_reuse_the_cached_chunk_table(triton_device):
 
 
 @pytest.mark.parametrize("special", SPECIALS)
-def test_grads_at_new_addresses_with_known_sizes(triton_device, special):
+def test_grads_at_new_addresses_with_known_sizes(triton_device, special, no_kept_plans):
     """A new table from the cached size pattern (kernels/plan.py ``_chunks``): the same sizes
     at other addresses, in another address order (the first grad now above the others), with
     a non-finite value planted at the last element of the last grad, match torch's op."""
-    from triton_scaler.kernels import plan
-
+    plan = no_kept_plans
     sizes = [7, 3 * BLOCK + 5, 1, BLOCK - 1, 300]
     inv = torch.tensor(1 / 3.0)
-    plan._tables.clear()
-    plan._chunk_patterns.clear()
     storages = [torch.empty(sum(sizes) + 64 * step, device=triton_device) for step in range(3)]
     for step, storage in enumerate(storages):  # all alive: other addresses each step
         grads = [storage[-n:] if i == 0 else storage[sum(sizes[1:i]):][:n]
