@@ -4,8 +4,9 @@ Installed as ``triton_scaler.kernels``. Importing this package imports triton; t
 triton_scaler imports it lazily, only when the Triton backend is used.
 """
 
-from .plan import UnscalePlan
+from .plan import UnscalePlan, refuse_overlapping_writes
 from .unscale import launch_unscale, plan_unscale
 from .update import bind_update_scale
 
-__all__ = ["UnscalePlan", "bind_update_scale", "launch_unscale", "plan_unscale"]
+__all__ = ["UnscalePlan", "bind_update_scale", "launch_unscale", "plan_unscale",
+           "refuse_overlapping_writes"]

@@ -11,6 +11,7 @@ No Triton code here; ``unscale.py`` holds the kernel and :func:`launch_unscale`.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 import torch
@@ -95,6 +96,40 @@ def _flat_memory(t: torch.Tensor) -> torch.Tensor | None:
             return None
         expected *= size
     return t.as_strided((t.numel(),), (1,))
+
+
+def refuse_overlapping_writes(plan: UnscalePlan) -> None:
+    """Raise if a grad of ``plan`` has elements that share memory (expanded, or ``as_strided``
+    with overlapping strides): unscaled through its contiguous copy, each memory location
+    would be multiplied once, where torch's op multiplies it once per element that refers to
+    it (and raises for an expanded one). A write pass calls this before its first launch; a
+    read-only check may read such memory. Only grads that need copies can overlap."""
+    for g, _ in plan.copies:
+        if _overlaps(tuple(g.shape), g.stride()):
+            raise RuntimeError(
+                "unsupported operation: more than one element of a gradient refers to a single "
+                f"memory location (shape {tuple(g.shape)}, strides {g.stride()}); clone() it "
+                "before unscaling. torch's op multiplies such memory once per element that "
+                "refers to it; the Triton backend refuses it rather than give another result")
+
+
+@functools.lru_cache(maxsize=64)
+def _overlaps(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether two elements of a tensor of this shape and these strides share memory: a
+    stride test that settles the usual layouts, else every element's offset counted (on the
+    CPU, once per layout)."""
+    if 0 in shape:
+        return False
+    reach = 0  # the largest offset the dimensions of smaller stride reach
+    for stride, size in sorted((st, sz) for st, sz in zip(strides, shape) if sz != 1):
+        if stride <= reach:
+            break
+        reach += stride * (size - 1)
+    else:
+        return False
+    span = 1 + sum(st * (sz - 1) for st, sz in zip(strides, shape))
+    offsets = torch.arange(span).as_strided(shape, strides)
+    return offsets.unique().numel() < offsets.numel()
 
 
 def _without_aliases(addresses: tuple[int, ...], numels: tuple[int, ...]):

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .bits import bf16_bits_to_fp32, fp32_to_bf16_bits
 from .launcher import launch
-from .plan import UnscalePlan, _captured, build_plan
+from .plan import UnscalePlan, _captured, build_plan, refuse_overlapping_writes
 
 GPU_BLOCK = 4096
 GPU_NUM_WARPS = 8
@@ -192,8 +192,9 @@ def launch_unscale(
 
     One launch for a single tensor (flat path) or for all tensors of the list (chunk-table
     path); ``grads`` may also be a plan from :func:`plan_unscale`. Dense non-contiguous grads
-    (channels_last, transposed) are covered as the flat memory they are; overlapping or gapped
-    ones through contiguous copies that are written back. Grads that start at the same address
+    (channels_last, transposed) are covered as the flat memory they are; gapped ones through
+    contiguous copies that are written back (a write to one whose elements overlap raises:
+    :func:`refuse_overlapping_writes`; a check reads it). Grads that start at the same address
     (aliases) are processed once. ``found_inf`` is a 0-d fp32 tensor on the grads' device;
     ``inv_scale`` too, or (``inv_from_scale=True``) the 0-d fp32 scale, whose reciprocal the
     kernel forms as torch does (``fp32(1 / fp64(scale))``). Asynchronous: no host sync.
@@ -204,6 +205,8 @@ def launch_unscale(
     ``dtype(dtype(g * inv_scale) * c)``.
     """
     plan = grads if isinstance(grads, UnscalePlan) else plan_unscale(grads)
+    if write and plan.copies:
+        refuse_overlapping_writes(plan)
     if not plan.grid:  # no elements
         fp64 = not isinstance(grads, UnscalePlan) and bool(grads) \
             and grads[0].dtype == torch.float64

@@ -190,8 +190,9 @@ def no_kept_plans():
     """No chunk table, size pattern or ops plan kept from earlier tests: grads of a test
     before, freed, leave their addresses to this one's, whose calls would then launch that
     test's kept plans and build no table (seen with torch 2.11's allocator)."""
-    from triton_scaler import _ops_plans
     from triton_scaler.kernels import plan
+
+    from triton_scaler import _ops_plans
 
     for cache in (plan._tables, plan._chunk_patterns, _ops_plans._stored):
         cache.clear()

@@ -24,6 +24,7 @@ from ._eager import eager_under_compile
 from ._grads import PerDevice, grad_groups
 from ._norms import combine_partials, grad_norm, reference_total_norm
 from .buckets import attach_bucket_grads, buckets_of
+from .ops import refuse_overlapping_writes
 
 
 def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, float]:
@@ -207,6 +208,7 @@ class ClipMixin:
                 total = reference_total_norm(_norm_entries(params), norm_type, shard_group,
                                              device)
             else:
+                refuse_overlapping_writes(groups, self._backend)  # before the read pass
                 partials = [(_group_partial(g, found_for.get(g.device), scale_for.get(g.device),
                                             norm_type, self._backend), g.mesh_groups)
                             for g in groups]

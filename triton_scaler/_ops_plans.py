@@ -60,9 +60,15 @@ def unscale_planned(grads: list[torch.Tensor], found_inf: torch.Tensor,
             kernels.launch_unscale(template.rebased(grads[index]), found_inf, inv_scale,
                                    write=write)
         return
+    # usually one group, ``grads`` itself: its addresses known. Every plan first: a grad
+    # refused (its elements share memory) leaves all unchanged
+    plans = [(members, kernels.plan_unscale(members, None,
+                                            key[1] if members is grads and key else None))
+             for members in group_grads()]
+    for _, plan in plans if write else ():
+        kernels.refuse_overlapping_writes(plan)
     launches, reusable = [], True
-    for members in group_grads():  # usually one group, ``grads`` itself: its addresses known
-        plan = kernels.plan_unscale(members, None, key[1] if members is grads and key else None)
+    for members, plan in plans:
         kernels.launch_unscale(plan, found_inf, inv_scale, write=write)
         reusable = reusable and plan.reusable
         if plan.grid:  # a plan without elements launches nothing

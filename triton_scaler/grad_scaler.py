@@ -151,6 +151,8 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         torch._C._set_grad_enabled(False)
         try:
             groups, mesh_groups = grad_groups(optimizer, allow_fp16, self._backend)
+            if write and len(groups) > 1:
+                ops.refuse_overlapping_writes(groups, self._backend)
             for group in groups:
                 device = group.device
                 ops.unscale_group_(group.grads, per_device_found_inf.get(device),

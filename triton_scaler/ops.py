@@ -98,6 +98,22 @@ def _group_grads(grads: list[torch.Tensor], device: torch.device, plain: bool):
     return groups.values()
 
 
+def _on_triton(group: object, backend: str, device: torch.device) -> bool:
+    """Whether :func:`unscale_group_` launches the Triton kernel for this group."""
+    return (group is not None and group.plan is not None) or \
+        resolve_backend(backend, device) == "triton"
+
+
+def refuse_overlapping_writes(groups: Sequence, backend: str) -> None:
+    """Before the first of several :class:`GradGroup` is written: every Triton group's plan
+    built, and a grad whose elements share memory refused (``RuntimeError``, see
+    ``kernels.refuse_overlapping_writes``), so that a refused grad leaves every grad as it
+    was. Host work only; the plans are the launches' own."""
+    for group in groups:
+        if _on_triton(group, backend, group.device):
+            triton_kernels().refuse_overlapping_writes(group.launch_target())
+
+
 def unscale_group_(grads: list[torch.Tensor], found_inf: torch.Tensor,
                    inv_scale: torch.Tensor, backend: str, write: bool, *,
                    from_scale: bool = False, group: object = None) -> None:
@@ -106,9 +122,8 @@ def unscale_group_(grads: list[torch.Tensor], found_inf: torch.Tensor,
     ``inv_scale`` is the scale itself, whose reciprocal is formed as torch forms it. ``group``:
     the grads' :class:`GradGroup`, whose ``plan`` (when set) is the launch's host work, built
     by the caller, which guarantees it matches the grads (a group with a plan is on the
-    Triton backend)."""
-    if (group is not None and group.plan is not None) or \
-            resolve_backend(backend, found_inf.device) == "triton":
+    Triton backend). On the Triton backend ``grads`` may also be their plan."""
+    if _on_triton(group, backend, found_inf.device):
         if group is not None:
             grads = group.launch_target()
         triton_kernels().launch_unscale(grads, found_inf, inv_scale, write=write,
@@ -182,7 +197,12 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
         unscale_planned(grads, found_inf, inv_scale, write,
                         lambda: _group_grads(grads, found_inf.device, plain))
     else:
-        for group in _group_grads(grads, found_inf.device, plain):
+        groups = list(_group_grads(grads, found_inf.device, plain))
+        if resolved == "triton":  # every plan first: a refused grad leaves all unchanged
+            groups = [triton_kernels().plan_unscale(members) for members in groups]
+            for plan in groups if write else ():
+                triton_kernels().refuse_overlapping_writes(plan)
+        for group in groups:
             unscale_group_(group, found_inf, inv_scale, backend, write)
     if mesh_groups:  # as torch's op under DTensor dispatch: agree over the mesh
         agree_over_meshes({found_inf.device: found_inf}, {found_inf.device: mesh_groups})
