@@ -20,14 +20,16 @@ import triton
 _TABLE_CACHE_SIZE = 32
 _PATTERN_CACHE_SIZE = 8
 
-_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_tables: OrderedDict[tuple, tuple[torch.Tensor, bool]] = OrderedDict()
 
 
 def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
-                addresses: tuple[int, ...] | None = None) -> torch.Tensor:
+                addresses: tuple[int, ...] | None = None) -> tuple[torch.Tensor, bool]:
     """The chunk table of contiguous, non-empty, same-dtype ``grads`` on one device, whose
     sizes are ``numels``: an int64 ``[n_chunks, 2]`` device tensor of ``(start, length)`` rows,
     start in elements from ``grads[0]``. Every chunk but a tensor's last is ``block`` long.
+    Also whether two grads share part of their memory (one starts inside another; grads that
+    start at the same address count once): their chunks would overlap.
 
     Cached on the grads' addresses and sizes (the last 32 layouts), so a training loop whose
     grads keep their storage builds it once; a hit costs one pass over the grads' addresses.
@@ -37,13 +39,14 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
     if addresses is None:
         addresses = tuple(map(torch.Tensor.data_ptr, grads))
     key = (first.device, first.dtype, block, addresses, numels)
-    table = _tables.get(key)
-    if table is not None:
+    entry = _tables.get(key)
+    if entry is not None:
         _tables.move_to_end(key)
-        return table
+        return entry
     unique_addresses, numels = _without_aliases(addresses, numels)
-    owner, offset, length = _chunks(numels, block)
+    owner, offset, length, sizes = _chunks(numels, block)
     rel = torch.tensor(unique_addresses, dtype=torch.int64).sub_(unique_addresses[0])
+    overlapping = _ranges_overlap(rel, sizes * first.element_size())  # in bytes
     rel = rel.div_(first.element_size(), rounding_mode="floor")
     table = torch.stack([rel[owner].add_(offset), length], 1)
     if first.is_cuda:  # pinned + non_blocking: the upload does not wait for the stream
@@ -51,19 +54,28 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
         table = host.to(first.device, non_blocking=True)
         if torch.cuda.is_current_stream_capturing():  # the graph replays this upload
             _captured[id(host)] = host
-    _tables[key] = table
+    _tables[key] = entry = (table, overlapping)
     if len(_tables) > _TABLE_CACHE_SIZE:
         _tables.popitem(last=False)
-    return table
+    return entry
+
+
+def _ranges_overlap(starts: torch.Tensor, lengths: torch.Tensor) -> bool:
+    """Whether two of the ranges ``[start, start + length)`` (CPU int64, distinct starts)
+    overlap. A read of a CPU tensor: no device sync."""
+    if starts.numel() < 2:
+        return False
+    order = starts.argsort()
+    starts = starts[order]
+    return bool((starts[1:] < (starts + lengths[order])[:-1]).any())
 
 
 _chunk_patterns: OrderedDict[tuple, tuple] = OrderedDict()
 
 
-def _chunks(numels: tuple[int, ...], block: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                           torch.Tensor]:
+def _chunks(numels: tuple[int, ...], block: int) -> tuple[torch.Tensor, ...]:
     """The part of a chunk table that depends on the sizes alone, per chunk: its tensor's
-    index, its offset in that tensor and its length (CPU int64). Cached on the sizes (the last
+    index, its offset in that tensor and its length; and the sizes (CPU int64). Cached on the sizes (the last
     ``_PATTERN_CACHE_SIZE``), so grads at new addresses with the sizes of earlier ones (a training step whose
     allocator handed out other blocks) only add their tensors' offsets: six small ops."""
     key = (numels, block)
@@ -76,7 +88,8 @@ def _chunks(numels: tuple[int, ...], block: int) -> tuple[torch.Tensor, torch.Te
     owner = torch.repeat_interleave(torch.arange(len(numels)), n_chunks)
     first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
     offset = (torch.arange(owner.numel()) - first_chunk[owner]) * block
-    chunks = _chunk_patterns[key] = (owner, offset, torch.clamp(sizes[owner] - offset, max=block))
+    chunks = _chunk_patterns[key] = (owner, offset, torch.clamp(sizes[owner] - offset, max=block),
+                                     sizes)
     if len(_chunk_patterns) > _PATTERN_CACHE_SIZE:
         _chunk_patterns.popitem(last=False)
     return chunks
@@ -99,11 +112,19 @@ def _flat_memory(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def refuse_overlapping_writes(plan: UnscalePlan) -> None:
-    """Raise if a grad of ``plan`` has elements that share memory (expanded, or ``as_strided``
-    with overlapping strides): unscaled through its contiguous copy, each memory location
-    would be multiplied once, where torch's op multiplies it once per element that refers to
-    it (and raises for an expanded one). A write pass calls this before its first launch; a
-    read-only check may read such memory. Only grads that need copies can overlap."""
+    """Raise where a write over ``plan`` would not give torch's op's result: two grads that
+    share part of their memory (one starts inside another), which torch's op multiplies once
+    per grad and the kernel's programs in no fixed order; a grad whose own elements share
+    memory (expanded, or ``as_strided`` with overlapping strides; only grads with copies
+    can), which its contiguous copy would multiply once per location, where torch's op does
+    once per element (and raises for an expanded one). A write pass calls this before its
+    first launch; a read-only check may read such memory."""
+    if plan.overlapping:
+        raise RuntimeError(
+            "unsupported operation: two gradients share part of their memory (one starts "
+            "inside another; grads that start at the same address are unscaled once); "
+            "torch's op multiplies the shared memory once per gradient, the Triton kernel's "
+            "programs in no fixed order: clone() one of them before unscaling")
     for g, _ in plan.copies:
         if _overlaps(tuple(g.shape), g.stride()):
             raise RuntimeError(
@@ -151,15 +172,18 @@ class UnscalePlan:
     strips its base, and :meth:`rebased` puts the base of a new grads list at the same
     addresses, laid out as these (``contiguous``: all of them contiguous), back."""
 
-    __slots__ = ("base", "base_index", "table", "n", "grid", "copies", "contiguous")
+    __slots__ = ("base", "base_index", "table", "n", "grid", "copies", "contiguous",
+                 "overlapping")
 
-    def __init__(self, base, base_index, table, n, grid, copies, contiguous):
+    def __init__(self, base, base_index, table, n, grid, copies, contiguous,
+                 overlapping=False):
         self.base, self.base_index, self.table, self.n = base, base_index, table, n
         self.grid, self.copies, self.contiguous = grid, copies, contiguous
+        self.overlapping = overlapping  # two grads share part of their memory
 
     @property
     def reusable(self) -> bool:
-        return not self.copies
+        return not self.copies and not self.overlapping
 
     def template(self) -> UnscalePlan:
         return self.rebased(None)
@@ -200,5 +224,6 @@ def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
     if len(dense) == 1:
         return UnscalePlan(dense[0], base_index, None, numels[0],
                            triton.cdiv(numels[0], block), copies, contiguous)
-    table = chunk_table(dense, numels, block, addresses)
-    return UnscalePlan(dense[0], base_index, table, 0, table.shape[0], copies, contiguous)
+    table, overlapping = chunk_table(dense, numels, block, addresses)
+    return UnscalePlan(dense[0], base_index, table, 0, table.shape[0], copies, contiguous,
+                       overlapping)

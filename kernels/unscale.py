@@ -205,7 +205,7 @@ def launch_unscale(
     ``dtype(dtype(g * inv_scale) * c)``.
     """
     plan = grads if isinstance(grads, UnscalePlan) else plan_unscale(grads)
-    if write and plan.copies:
+    if write and (plan.copies or plan.overlapping):
         refuse_overlapping_writes(plan)
     if not plan.grid:  # no elements
         fp64 = not isinstance(grads, UnscalePlan) and bool(grads) \

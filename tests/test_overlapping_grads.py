@@ -1,9 +1,15 @@
-"""A grad whose own elements share memory (``as_strided`` with overlapping strides,
-``expand``). torch's op multiplies such memory once per element that refers to it (and
-raises for an expanded one); the reference path is torch's op. The Triton backend unscales
-non-dense grads through contiguous copies written back, which would multiply each location
-once: a different result, so it refuses to write such a grad, before any grad changes, and
-reads it in a check."""
+"""Grads that share memory in ways torch's op gives a result the Triton kernels cannot:
+
+* a grad whose own elements share memory (``as_strided`` with overlapping strides,
+  ``expand``): torch's op multiplies such memory once per element that refers to it (and
+  raises for an expanded one); the Triton backend unscales non-dense grads through
+  contiguous copies written back, which would multiply each location once;
+* two grads that share part of their memory (one starts inside another): torch's op
+  multiplies it once per grad; the kernel's programs run in no fixed order on a GPU.
+
+The reference path is torch's op. The Triton backend refuses to write such grads, before any
+grad changes, and reads them in a check. (Grads that start at the same address are unscaled
+once on both backends, on purpose: README, "Exactness".)"""
 
 import itertools
 import math
@@ -11,11 +17,12 @@ import math
 import pytest
 import torch
 from _util import assert_all_same, assert_same
+from triton_scaler.kernels.plan import _overlaps, _ranges_overlap
 
 from triton_scaler import GradScaler, all_finite, ops
-from triton_scaler.kernels.plan import _overlaps
 
 OVERLAP = "more than one element of a gradient refers to a single memory location"
+SHARED = "two gradients share part of their memory"
 
 
 def _brute_force_overlaps(shape, strides) -> bool:
@@ -143,3 +150,70 @@ def test_grad_scaler_reference_is_torchs_and_triton_refuses_before_any_change(ba
     scaler.update()
     assert_same(p.detach(), torch.full((3, 3), -2.0))
     assert_same(q.detach(), torch.full((4,), -2.0, dtype=torch.float64))
+
+
+def test_the_range_test_agrees_with_every_pair_compared():
+    gen = torch.Generator().manual_seed(0)
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        n = int(torch.randint(1, 6, (), generator=gen))
+        starts = torch.randperm(40, generator=gen)[:n]
+        lengths = torch.randint(1, 9, (n,), generator=gen)
+        expected = any(a < c + d and c < a + b for i, (a, b) in enumerate(
+            zip(starts.tolist(), lengths.tolist())) for c, d in list(zip(
+                starts.tolist(), lengths.tolist()))[i + 1:])
+        assert _ranges_overlap(starts, lengths) == expected, (starts, lengths)
+        seen[expected] += 1
+    assert min(seen.values()) > 50
+
+
+def _sharing(buf: torch.Tensor, kind: str) -> list[torch.Tensor]:
+    return {"partial": lambda: [buf[0:10], buf[5:15]],
+            "contained": lambda: [buf[2:12], buf[2:12][5:8]],
+            "contained_first": lambda: [buf[7:10], buf[0:15]]}[kind]()
+
+
+@pytest.mark.parametrize("kind", ["partial", "contained", "contained_first"])
+def test_grads_sharing_part_of_their_memory(backend, kind):
+    """Reference: torch's op. Triton: refused (a float64 grad beside them unchanged too),
+    and refused again at each later call on the same grads (no plan kept for them); a
+    read-only check reads them."""
+    theirs = torch.full((15,), 4.0)
+    torch._amp_foreach_non_finite_check_and_unscale_(_sharing(theirs, kind), torch.zeros(()),
+                                                     torch.full((), 0.5))
+    ours = torch.full((15,), 4.0)
+    other = torch.full((5,), 4.0, dtype=torch.float64)
+    grads = [other, *_sharing(ours, kind)]
+    for _ in range(3):
+        found = torch.zeros(())
+        if backend == "reference":
+            ops.non_finite_check_and_unscale_(grads, found, torch.full((), 0.5),
+                                              backend=backend)
+            assert_same(ours, theirs)
+            assert_same(other, torch.full((5,), 2.0, dtype=torch.float64))
+            break
+        with pytest.raises(RuntimeError, match=SHARED):
+            ops.non_finite_check_and_unscale_(grads, found, torch.full((), 0.5),
+                                              backend=backend)
+        assert_same(ours, torch.full((15,), 4.0))
+        assert_same(other, torch.full((5,), 4.0, dtype=torch.float64))
+    ours[8] = math.nan  # inside every kind's shared part
+    found = torch.zeros(())
+    ops.non_finite_check_(_sharing(ours, kind), found, torch.ones(()), backend=backend)
+    assert found.item() == 1.0
+
+
+def test_grad_scaler_triton_refuses_grads_sharing_memory_before_any_change(triton_device):
+    buf = torch.full((15,), 4.0, device=triton_device)
+    params = [torch.nn.Parameter(torch.zeros(n, device=triton_device)) for n in (10, 10)]
+    params[0].grad, params[1].grad = buf[0:10], buf[5:15]
+    q = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64, device=triton_device))
+    q.grad = torch.full((4,), 4.0, dtype=torch.float64, device=triton_device)
+    opt = torch.optim.SGD([q, *params], lr=1.0)
+    scaler = GradScaler(triton_device.type, init_scale=2.0, backend="triton")
+    scaler.scale(torch.ones((), device=triton_device))
+    for call in (scaler.unscale_, scaler.step):
+        with pytest.raises(RuntimeError, match=SHARED):
+            call(opt)
+        assert_same(buf.cpu(), torch.full((15,), 4.0))
+        assert_same(q.grad.cpu(), torch.full((4,), 4.0, dtype=torch.float64))
