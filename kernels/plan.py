@@ -46,8 +46,8 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
     unique_addresses, numels = _without_aliases(addresses, numels)
     owner, offset, length, sizes = _chunks(numels, block)
     rel = torch.tensor(unique_addresses, dtype=torch.int64).sub_(unique_addresses[0])
-    overlapping = _ranges_overlap(rel, sizes * first.element_size())  # in bytes
     rel = rel.div_(first.element_size(), rounding_mode="floor")
+    overlapping = _ranges_overlap(rel, sizes)
     table = torch.stack([rel[owner].add_(offset), length], 1)
     if first.is_cuda:  # pinned + non_blocking: the upload does not wait for the stream
         host = table.pin_memory()
@@ -65,9 +65,8 @@ def _ranges_overlap(starts: torch.Tensor, lengths: torch.Tensor) -> bool:
     overlap. A read of a CPU tensor: no device sync."""
     if starts.numel() < 2:
         return False
-    order = starts.argsort()
-    starts = starts[order]
-    return bool((starts[1:] < (starts + lengths[order])[:-1]).any())
+    starts, order = starts.sort()
+    return bool(lengths[order].add_(starts)[:-1].gt(starts[1:]).any())
 
 
 _chunk_patterns: OrderedDict[tuple, tuple] = OrderedDict()
