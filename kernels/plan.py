@@ -33,7 +33,8 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
 
     Cached on the grads' addresses and sizes (the last 32 layouts), so a training loop whose
     grads keep their storage builds it once; a hit costs one pass over the grads' addresses.
-    Grads at new addresses with sizes seen before (:func:`_chunks`) cost six small ops.
+    Grads at new addresses with sizes seen before (:func:`_chunks`) cost six small ops, and
+    the shared-memory check five more (a sort of the starts).
     """
     first = grads[0]
     if addresses is None:
@@ -74,9 +75,10 @@ _chunk_patterns: OrderedDict[tuple, tuple] = OrderedDict()
 
 def _chunks(numels: tuple[int, ...], block: int) -> tuple[torch.Tensor, ...]:
     """The part of a chunk table that depends on the sizes alone, per chunk: its tensor's
-    index, its offset in that tensor and its length; and the sizes (CPU int64). Cached on the sizes (the last
-    ``_PATTERN_CACHE_SIZE``), so grads at new addresses with the sizes of earlier ones (a training step whose
-    allocator handed out other blocks) only add their tensors' offsets: six small ops."""
+    index, its offset in that tensor and its length; and the sizes (CPU int64). Cached on
+    the sizes (the last ``_PATTERN_CACHE_SIZE``), so grads at new addresses with the sizes
+    of earlier ones (a training step whose allocator handed out other blocks) only add their
+    tensors' offsets: six small ops (and the shared-memory check's five)."""
     key = (numels, block)
     chunks = _chunk_patterns.get(key)
     if chunks is not None:

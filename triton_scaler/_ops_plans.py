@@ -60,8 +60,8 @@ def unscale_planned(grads: list[torch.Tensor], found_inf: torch.Tensor,
             kernels.launch_unscale(template.rebased(grads[index]), found_inf, inv_scale,
                                    write=write)
         return
-    # usually one group, ``grads`` itself: its addresses known. Every plan first: a grad
-    # refused (its elements share memory) leaves all unchanged
+    # usually one group, ``grads`` itself: its addresses known. Every plan first: grads
+    # refused (sharing memory: kernels.refuse_overlapping_writes) leave all unchanged
     plans = [(members, kernels.plan_unscale(members, None,
                                             key[1] if members is grads and key else None))
              for members in group_grads()]

@@ -74,9 +74,9 @@ def _nested_grad_error(i: int) -> TypeError:
 
 def _group_grads(grads: list[torch.Tensor], device: torch.device, plain: bool):
     """``grads`` split by dtype, every grad checked (a tensor of an accepted dtype, dense and
-    not nested, on ``device``). The usual case, plain dense grads (``plain``: every one a Tensor or
-    Parameter, as the caller found) of one dtype on ``device``, is checked in C-level passes
-    (half the per-grad loop's host time at 1000 grads)."""
+    not nested, on ``device``). The usual case, plain dense grads (``plain``: every one a
+    Tensor or Parameter, as the caller found) of one dtype on ``device``, is checked in
+    C-level passes (half the per-grad loop's host time at 1000 grads)."""
     if (plain and len(dtypes := set(map(_dtype_of, grads))) == 1
             and dtypes.issubset(FLOAT_DTYPES) and set(map(_device_of, grads)) == {device}
             and set(map(_layout_of, grads)) == {torch.strided}
@@ -106,9 +106,9 @@ def _on_triton(group: object, backend: str, device: torch.device) -> bool:
 
 def refuse_overlapping_writes(groups: Sequence, backend: str) -> None:
     """Before the first of several :class:`GradGroup` is written: every Triton group's plan
-    built, and a grad whose elements share memory refused (``RuntimeError``, see
-    ``kernels.refuse_overlapping_writes``), so that a refused grad leaves every grad as it
-    was. Host work only; the plans are the launches' own."""
+    built, and grads sharing memory in a way the kernels cannot unscale as torch's op does
+    refused (``RuntimeError``, see ``kernels.refuse_overlapping_writes``), so that a refusal
+    leaves every grad as it was. Host work only; the plans are the launches' own."""
     for group in groups:
         if _on_triton(group, backend, group.device):
             triton_kernels().refuse_overlapping_writes(group.launch_target())
