@@ -11,11 +11,12 @@ No Triton code here; ``unscale.py`` holds the kernel and :func:`launch_unscale`.
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 
 import torch
 import triton
+
+from triton_scaler._memory import extent, is_dense, overlaps, share_elements
 
 _TABLE_CACHE_SIZE = 32
 _PATTERN_CACHE_SIZE = 8
@@ -106,12 +107,26 @@ _captured: dict[int, torch.Tensor] = {}
 def _flat_memory(t: torch.Tensor) -> torch.Tensor | None:
     """A 1-D contiguous view of ``t``'s memory when ``t`` is dense and non-overlapping in
     some dimension order (channels_last, a transpose), else None."""
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
-        if stride != expected:
-            return None
-        expected *= size
-    return t.as_strided((t.numel(),), (1,))
+    return t.as_strided((t.numel(),), (1,)) if is_dense(t) else None
+
+
+def _copied_grad_shares_memory(grads: list[torch.Tensor], copied: list[torch.Tensor]) -> bool:
+    """Whether a grad unscaled through a copy (gapped, or overlapping itself) shares memory
+    with another grad of the launch: its copy lies elsewhere, so the chunk table's range test
+    does not see it. Spans swept in address order (Python: a plan with copies already passes
+    over its grads one by one); offsets counted only for spans that meet."""
+    copied_ids = set(map(id, copied))
+    spans = sorted((g.data_ptr(), g.data_ptr() + extent(g) * g.element_size(), i)
+                   for i, g in enumerate(grads))
+    reaching: list[tuple[int, int]] = []  # (end, index) of the spans begun so far
+    for start, end, i in spans:
+        reaching = [(e, j) for e, j in reaching if e > start]
+        for _, j in reaching:
+            if (id(grads[i]) in copied_ids or id(grads[j]) in copied_ids) and \
+                    share_elements(grads[i], grads[j]):
+                return True
+        reaching.append((end, i))
+    return False
 
 
 def refuse_overlapping_writes(plan: UnscalePlan) -> None:
@@ -129,31 +144,12 @@ def refuse_overlapping_writes(plan: UnscalePlan) -> None:
             "torch's op multiplies the shared memory once per gradient, the Triton kernel's "
             "programs in no fixed order: clone() one of them before unscaling")
     for g, _ in plan.copies:
-        if _overlaps(tuple(g.shape), g.stride()):
+        if overlaps(tuple(g.shape), g.stride()):
             raise RuntimeError(
                 "unsupported operation: more than one element of a gradient refers to a single "
                 f"memory location (shape {tuple(g.shape)}, strides {g.stride()}); clone() it "
                 "before unscaling. torch's op multiplies such memory once per element that "
                 "refers to it; the Triton backend refuses it rather than give another result")
-
-
-@functools.lru_cache(maxsize=64)
-def _overlaps(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """Whether two elements of a tensor of this shape and these strides share memory: a
-    stride test that settles the usual layouts, else every element's offset counted (on the
-    CPU, once per layout)."""
-    if 0 in shape:
-        return False
-    reach = 0  # the largest offset the dimensions of smaller stride reach
-    for stride, size in sorted((st, sz) for st, sz in zip(strides, shape) if sz != 1):
-        if stride <= reach:
-            break
-        reach += stride * (size - 1)
-    else:
-        return False
-    span = 1 + sum(st * (sz - 1) for st, sz in zip(strides, shape))
-    offsets = torch.arange(span).as_strided(shape, strides)
-    return offsets.unique().numel() < offsets.numel()
 
 
 def _without_aliases(addresses: tuple[int, ...], numels: tuple[int, ...]):
@@ -228,5 +224,7 @@ def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
         return UnscalePlan(dense[0], base_index, None, numels[0],
                            triton.cdiv(numels[0], block), copies, contiguous)
     table, overlapping = chunk_table(dense, numels, block, addresses)
+    overlapping = overlapping or bool(copies) and \
+        _copied_grad_shares_memory(grads, [g for g, _ in copies])
     return UnscalePlan(dense[0], base_index, table, 0, table.shape[0], copies, contiguous,
                        overlapping)

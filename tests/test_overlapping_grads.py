@@ -17,9 +17,11 @@ import math
 import pytest
 import torch
 from _util import assert_all_same, assert_same
-from triton_scaler.kernels.plan import _overlaps, _ranges_overlap
+from triton_scaler.kernels.plan import _ranges_overlap
 
 from triton_scaler import GradScaler, all_finite, ops
+from triton_scaler._memory import overlaps as _overlaps
+from triton_scaler._memory import share_elements
 
 OVERLAP = "more than one element of a gradient refers to a single memory location"
 SHARED = "two gradients share part of their memory"
@@ -217,3 +219,65 @@ def test_grad_scaler_triton_refuses_grads_sharing_memory_before_any_change(trito
             call(opt)
         assert_same(buf.cpu(), torch.full((15,), 4.0))
         assert_same(q.grad.cpu(), torch.full((4,), 4.0, dtype=torch.float64))
+
+
+#: Views of one 12-element buffer: what each backend must do with them ("torch": torch's
+#: op's result; "once": every location unscaled once, the alias rule; "refused": nothing
+#: changes). A gapped view gets a contiguous copy on the Triton backend, so its memory is
+#: checked against the other grads' element by element.
+SHARING = {
+    "gapped_alias_of_a_dense_one_neither_covering": (
+        lambda b: [b[0:5], b[0:10:2]], "refused", "refused"),
+    "gapped_alias_inside_a_dense_one": (lambda b: [b[0:10], b[0:10:2]], "once", "refused"),
+    "a_dense_grad_on_a_gapped_ones_element": (
+        lambda b: [b[0:10:2], b[4:5]], "torch", "refused"),
+    "two_gapped_grads_interleaved": (lambda b: [b[0:10:2], b[1:10:2]], "torch", "torch"),
+    "a_dense_grad_in_a_gapped_ones_gap": (lambda b: [b[0:10:2], b[3:4]], "torch", "torch"),
+    "a_dense_alias_transposed": (
+        lambda b: [b[0:6].view(2, 3), b[0:6].view(2, 3).t()], "once", "once"),
+    "a_dense_alias_prefix": (lambda b: [b[0:10], b[0:4]], "once", "once"),
+}
+
+
+@pytest.mark.parametrize("kind", SHARING)
+def test_views_of_one_buffer(backend, kind):
+    views, reference_does, triton_does = SHARING[kind]
+    expected = {"torch": torch.full((12,), 4.0), "once": torch.full((12,), 4.0),
+                "refused": torch.full((12,), 4.0)}
+    torch._amp_foreach_non_finite_check_and_unscale_(views(expected["torch"]), torch.zeros(()),
+                                                     torch.full((), 0.5))
+    for g in views(expected["once"]):
+        g.fill_(2.0)
+    ours = torch.full((12,), 4.0)
+    does = reference_does if backend == "reference" else triton_does
+    if does == "refused":
+        with pytest.raises(RuntimeError, match="unsupported operation: two gradients"):
+            ops.non_finite_check_and_unscale_(views(ours), torch.zeros(()),
+                                              torch.full((), 0.5), backend=backend)
+    else:
+        ops.non_finite_check_and_unscale_(views(ours), torch.zeros(()), torch.full((), 0.5),
+                                          backend=backend)
+    assert_same(ours, expected[does])
+
+
+def test_shared_elements_agree_with_every_offset_compared():
+    """Random strided views of one buffer, pairwise, against their offsets as Python sets."""
+    gen = torch.Generator().manual_seed(1)
+    buf = torch.zeros(24)
+    seen = {True: 0, False: 0}
+    for _ in range(600):
+        views = []
+        for _ in range(2):
+            dims = int(torch.randint(1, 3, (), generator=gen))
+            shape = tuple(int(x) for x in torch.randint(1, 4, (dims,), generator=gen))
+            strides = tuple(int(x) for x in torch.randint(1, 5, (dims,), generator=gen))
+            span = 1 + sum((n - 1) * st for n, st in zip(shape, strides))
+            start = int(torch.randint(0, 24 - span + 1, (), generator=gen))
+            views.append((buf.as_strided(shape, strides, start), start))
+        sets = [{start + sum(i * st for i, st in zip(index, v.stride()))
+                 for index in itertools.product(*(range(n) for n in v.shape))}
+                for v, start in views]
+        expected = bool(sets[0] & sets[1])
+        assert share_elements(views[0][0], views[1][0]) == expected
+        seen[expected] += 1
+    assert min(seen.values()) > 100

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from ._memory import covers
 from .policy import ScalePolicy
 
 # A read of a CPU tensor is not a host-device synchronisation. Bound once, so the host-sync
@@ -45,6 +46,14 @@ def _without_aliases(grads: list[torch.Tensor]) -> list[torch.Tensor]:
         if address is not None and (address not in largest
                                     or g.numel() > largest[address].numel()):
             largest[address] = g
+    for g, address in zip(grads, addresses):
+        kept = largest.get(address)  # None for an empty grad
+        if kept is not None and kept is not g and not covers(kept, g):
+            raise RuntimeError(
+                "unsupported operation: two gradients start at the same address but the one "
+                "with more elements does not cover the other's memory (a view with gaps "
+                f"beside another: shapes {tuple(g.shape)} and {tuple(largest[address].shape)}"
+                "); grads that start at one address are unscaled once: clone() one of them")
     return [g for g in grads if g.numel() == 0] + list(largest.values())
 
 
