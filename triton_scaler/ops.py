@@ -108,8 +108,12 @@ def refuse_overlapping_writes(groups: Sequence, backend: str) -> None:
     """Before the first of several :class:`GradGroup` is written: every Triton group's plan
     built, and grads sharing memory in a way the kernels cannot unscale as torch's op does
     refused (``RuntimeError``, see ``kernels.refuse_overlapping_writes``), so that a refusal
-    leaves every grad as it was. Host work only; the plans are the launches' own."""
+    leaves every grad as it was. Host work only; the plans are the launches' own. A group
+    whose plan is set and reusable (no copies, no shared memory: a kept plan, a gradient
+    bucket's) is skipped, so a step that reuses its plans pays two attribute reads a group."""
     for group in groups:
+        if group.plan is not None and group.plan.reusable:
+            continue
         if _on_triton(group, backend, group.device):
             triton_kernels().refuse_overlapping_writes(group.launch_target())
 
