@@ -22,9 +22,9 @@ from weakref import WeakKeyDictionary
 import torch
 from torch.amp.grad_scaler import _MultiDeviceReplicator
 
-from . import ops
 from ._backend import resolve_backend, triton_kernels
 from ._distributed import local_grad
+from ._op_args import FLOAT_DTYPES, check_grad_dtype
 from ._stored_plans import StoredPlans, tensor_guards
 from .buckets import buckets_of, param_lists, same_param_lists
 
@@ -227,7 +227,7 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
         members = pick(grads)
         # each grad's dtype and device index, then the device itself through the first grad
         # (torch.device objects cost an allocation per grad)
-        if dtype not in ops.FLOAT_DTYPES or set(pick(dtypes)) != {dtype} or \
+        if dtype not in FLOAT_DTYPES or set(pick(dtypes)) != {dtype} or \
                 set(map(_DEVICE_INDEX, members)) != {_index(device)} or \
                 members[0].device != device:
             layout.signature = None  # parameters converted in place: rebuild next step
@@ -284,8 +284,8 @@ def _groups_slow(params, allow_fp16: bool, backend: str):
         groups[grad.device, dtype, on_mesh or ()].append(grad)
     mesh_groups: dict[torch.device, list] = {}
     for device, dtype, on_mesh in groups:
-        if dtype not in ops.FLOAT_DTYPES:
-            ops.check_grad_dtype(f"a gradient on {device}", dtype)
+        if dtype not in FLOAT_DTYPES:
+            check_grad_dtype(f"a gradient on {device}", dtype)
         if on_mesh:
             known = mesh_groups.setdefault(device, [])
             known.extend(g for g in on_mesh if not any(g is k for k in known))

@@ -15,9 +15,7 @@ that ``torch.compile`` compiles, each runs eagerly (a graph break), as GradScale
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Callable, Sequence
-from operator import attrgetter
 
 import torch
 
@@ -25,77 +23,15 @@ from . import reference
 from ._backend import Backend, resolve_backend, triton_kernels
 from ._distributed import agree_over_meshes, local_grad
 from ._eager import eager_under_compile
+from ._op_args import (
+    PLAIN,
+    as_tensor_list,
+    check_flag,
+    group_grads,
+    nested_grad_error,
+)
 from ._ops_plans import unscale_planned
 from .policy import ScalePolicy, cached_policy
-
-#: The grad dtypes the ops accept: torch's op takes these four (and no others).
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_ACCEPTED = "float32, float16, bfloat16 or float64"
-_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
-
-
-def check_grad_dtype(where: str, dtype: torch.dtype) -> None:
-    """``TypeError`` naming the dtype and the accepted ones unless torch's op takes it."""
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{where} has dtype {dtype}; gradients must be {_ACCEPTED}")
-
-
-def _check_flag(name: str, t: object, dtype: torch.dtype) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != dtype:
-        raise TypeError(f"{name} must be a one-element {dtype} tensor; got "
-                        f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
-                        f"{'' if not isinstance(t, torch.Tensor) else f' of {t.numel()} elements'}")
-    return t
-
-
-def as_tensor_list(grads: object, name: str = "grads") -> list[torch.Tensor]:
-    """``grads`` (a list, tuple or any iterable of tensors, a generator included) as a list;
-    ``TypeError`` for a single tensor or a non-iterable."""
-    if isinstance(grads, torch.Tensor):
-        raise TypeError(f"{name} must be a list or tuple of tensors, not a single tensor "
-                        f"(wrap it: [{name}])")
-    if isinstance(grads, (list, tuple)):
-        return list(grads)
-    try:
-        return list(grads)  # type: ignore[call-overload]
-    except TypeError:
-        raise TypeError(f"{name} must be a list or tuple of tensors; got "
-                        f"{type(grads).__name__}") from None
-
-
-_dtype_of, _device_of, _layout_of, _is_nested = (
-    attrgetter(a) for a in ("dtype", "device", "layout", "is_nested"))
-
-
-def _nested_grad_error(i: int) -> TypeError:
-    return TypeError(f"grads[{i}] is a nested tensor, which neither backend (nor torch's op) "
-                     "takes; pass its components (.unbind()) or its values (jagged: .values())")
-
-
-def _group_grads(grads: list[torch.Tensor], device: torch.device, plain: bool):
-    """``grads`` split by dtype, every grad checked (a tensor of an accepted dtype, dense and
-    not nested, on ``device``). The usual case, plain dense grads (``plain``: every one a
-    Tensor or Parameter, as the caller found) of one dtype on ``device``, is checked in
-    C-level passes (half the per-grad loop's host time at 1000 grads)."""
-    if (plain and len(dtypes := set(map(_dtype_of, grads))) == 1
-            and dtypes.issubset(FLOAT_DTYPES) and set(map(_device_of, grads)) == {device}
-            and set(map(_layout_of, grads)) == {torch.strided}
-            and not any(map(_is_nested, grads))):
-        return [grads]
-    groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-    for i, g in enumerate(grads):
-        if not isinstance(g, torch.Tensor):
-            raise TypeError(f"grads[{i}] must be a tensor; got {type(g).__name__}")
-        check_grad_dtype(f"grads[{i}]", g.dtype)
-        if g.device != device:
-            raise ValueError(f"grads[{i}] is on {g.device} but found_inf is on {device}; "
-                             "every grad must be on found_inf's device")
-        if g.is_sparse:
-            raise TypeError(f"grads[{i}] is sparse; pass its ._values()")
-        if g.is_nested:
-            raise _nested_grad_error(i)
-        groups[g.dtype].append(g)
-    return groups.values()
 
 
 def _on_triton(group: object, backend: str, device: torch.device) -> bool:
@@ -175,33 +111,33 @@ def bind_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags:
 
 def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
     grads = as_tensor_list(grads)
-    _check_flag("found_inf", found_inf, torch.float32)
-    _check_flag("inv_scale", inv_scale, torch.float32)
+    check_flag("found_inf", found_inf, torch.float32)
+    check_flag("inv_scale", inv_scale, torch.float32)
     if inv_scale.device != found_inf.device:
         raise ValueError(f"inv_scale is on {inv_scale.device} but found_inf is on {found_inf.device}")
     resolved = resolve_backend(backend, found_inf.device)
     mesh_groups = None
-    plain = _PLAIN.issuperset(map(type, grads))
+    plain = PLAIN.issuperset(map(type, grads))
     if not plain:  # rare: a DTensor (its local shard) or such
         meshes: dict = {}
         for i, g in enumerate(grads):
-            if isinstance(g, torch.Tensor) and type(g) not in _PLAIN:
+            if isinstance(g, torch.Tensor) and type(g) not in PLAIN:
                 if g.is_nested:  # jagged (a subclass); strided ones are checked with the rest
-                    raise _nested_grad_error(i)
+                    raise nested_grad_error(i)
                 grads[i], groups = local_grad(g, resolved, meshes)
                 mesh_groups = mesh_groups or groups
-        plain = _PLAIN.issuperset(map(type, grads))
+        plain = PLAIN.issuperset(map(type, grads))
     if resolved == "reference" and write:
         try:  # torch's op checks the grads itself: no per-tensor Python work when they are fine
             unscale_group_(grads, found_inf, inv_scale, "reference", write)
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
-            _group_grads(grads, found_inf.device, plain)  # raises the clearer error, if it finds one
+            group_grads(grads, found_inf.device, plain)  # raises the clearer error, if it finds one
             raise
     elif resolved == "triton" and plain:  # plans kept for grads at the same addresses
         unscale_planned(grads, found_inf, inv_scale, write,
-                        lambda: _group_grads(grads, found_inf.device, plain))
+                        lambda: group_grads(grads, found_inf.device, plain))
     else:
-        groups = list(_group_grads(grads, found_inf.device, plain))
+        groups = list(group_grads(grads, found_inf.device, plain))
         if resolved == "triton":  # every plan first: a refused grad leaves all unchanged
             groups = [triton_kernels().plan_unscale(members) for members in groups]
             for plan in groups if write else ():
@@ -318,11 +254,11 @@ def update_with_policy_(scale: torch.Tensor, growth_tracker: torch.Tensor,
     """:func:`update_scale_` with its settings as a validated :class:`ScalePolicy` (the
     DeepSpeed- and MindSpore-style scalers' call; :class:`GradScaler` binds its update once,
     :func:`bind_scaler_update`). ``hysteresis_tracker`` None: no hysteresis. No host sync."""
-    _check_flag("scale", scale, torch.float32)
-    _check_flag("growth_tracker", growth_tracker, torch.int32)
-    _check_flag("found_inf", found_inf, torch.float32)
+    check_flag("scale", scale, torch.float32)
+    check_flag("growth_tracker", growth_tracker, torch.int32)
+    check_flag("found_inf", found_inf, torch.float32)
     if hysteresis_tracker is not None:
-        _check_flag("hysteresis_tracker", hysteresis_tracker, torch.int32)
+        check_flag("hysteresis_tracker", hysteresis_tracker, torch.int32)
     for name, t in (("growth_tracker", growth_tracker), ("found_inf", found_inf),
                     ("hysteresis_tracker", hysteresis_tracker)):
         if t is not None and t.device != scale.device:
