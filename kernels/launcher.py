@@ -41,6 +41,8 @@ from collections import OrderedDict
 import torch
 from triton.runtime import driver
 
+from triton_scaler._lru import recent, remember
+
 try:
     from triton import knobs  # triton >= 3.4: the launch hooks the direct path passes
 except ImportError:
@@ -73,9 +75,8 @@ def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
     if cache is not None:
         device = _current_device()
         key = _key(device, tensors, scalars, constexprs)
-        compiled = cache.get(key)
+        compiled = recent(cache, key)
         if compiled is not None:
-            cache.move_to_end(key)
             _run(compiled, grid, _current_stream(device),
                  (*tensors, *scalars, *constexprs.values()))
             return
@@ -85,9 +86,7 @@ def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
             _check_order(kernel, len(tensors) + len(scalars), constexprs)
             cache = _compiled[kernel] = OrderedDict()
             key = _key(_current_device(), tensors, scalars, constexprs)
-        cache[key] = compiled
-        if len(cache) > _CAPACITY:
-            cache.popitem(last=False)
+        remember(cache, key, compiled, _CAPACITY)
 
 
 def _reusable(compiled) -> bool:

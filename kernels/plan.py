@@ -16,6 +16,7 @@ from collections import OrderedDict
 import torch
 import triton
 
+from triton_scaler._lru import recent, remember
 from triton_scaler._memory import extent, is_dense, overlaps, share_elements
 
 _TABLE_CACHE_SIZE = 32
@@ -41,9 +42,8 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
     if addresses is None:
         addresses = tuple(map(torch.Tensor.data_ptr, grads))
     key = (first.device, first.dtype, block, addresses, numels)
-    entry = _tables.get(key)
+    entry = recent(_tables, key)
     if entry is not None:
-        _tables.move_to_end(key)
         return entry
     unique_addresses, numels = _without_aliases(addresses, numels)
     owner, offset, length, sizes = _chunks(numels, block)
@@ -56,10 +56,7 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
         table = host.to(first.device, non_blocking=True)
         if torch.cuda.is_current_stream_capturing():  # the graph replays this upload
             _captured[id(host)] = host
-    _tables[key] = entry = (table, overlapping)
-    if len(_tables) > _TABLE_CACHE_SIZE:
-        _tables.popitem(last=False)
-    return entry
+    return remember(_tables, key, (table, overlapping), _TABLE_CACHE_SIZE)
 
 
 def _ranges_overlap(starts: torch.Tensor, lengths: torch.Tensor) -> bool:
@@ -83,20 +80,17 @@ def _chunks(numels: tuple[int, ...], block: int) -> tuple[torch.Tensor, ...]:
     of earlier ones (a training step whose allocator handed out other blocks) only add their
     tensors' offsets: six small ops (and the shared-memory check's five)."""
     key = (numels, block)
-    chunks = _chunk_patterns.get(key)
+    chunks = recent(_chunk_patterns, key)
     if chunks is not None:
-        _chunk_patterns.move_to_end(key)
         return chunks
     sizes = torch.tensor(numels, dtype=torch.int64)
     n_chunks = (sizes + block - 1) // block
     owner = torch.repeat_interleave(torch.arange(len(numels)), n_chunks)
     first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
     offset = (torch.arange(owner.numel()) - first_chunk[owner]) * block
-    chunks = _chunk_patterns[key] = (owner, offset, torch.clamp(sizes[owner] - offset, max=block),
-                                     sizes)
-    if len(_chunk_patterns) > _PATTERN_CACHE_SIZE:
-        _chunk_patterns.popitem(last=False)
-    return chunks
+    return remember(_chunk_patterns, key,
+                    (owner, offset, torch.clamp(sizes[owner] - offset, max=block), sizes),
+                    _PATTERN_CACHE_SIZE)
 
 
 #: Tables (and the pinned host buffers of their uploads) that a captured CUDA graph uses: a

@@ -24,6 +24,7 @@ from torch.amp.grad_scaler import _MultiDeviceReplicator
 
 from ._backend import resolve_backend, triton_kernels
 from ._distributed import local_grad
+from ._lru import recent, remember
 from ._op_args import FLOAT_DTYPES, check_grad_dtype
 from ._stored_plans import StoredPlans, tensor_guards
 from .buckets import buckets_of, param_lists, same_param_lists
@@ -208,9 +209,8 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
 def _earlier_plans(layout: _Layout, addresses: tuple[int, ...]) -> StoredPlans | None:
     """The stored plans of grads at ``addresses`` when they are not the last step's: one of
     the last ``_PLAN_CACHE_SIZE`` layouts' through a hash of the addresses (then the last)."""
-    stored = layout.plans.get(addresses)
+    stored = recent(layout.plans, addresses)
     if stored is not None:
-        layout.plans.move_to_end(addresses)
         layout.last = (addresses, stored)
     return stored
 
@@ -244,11 +244,8 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
             stored.guard = tensor_guards(grads)
             stored = stored if stored.guard is not None else None
     if stored is not None:
-        layout.plans[addresses] = stored
-        layout.plans.move_to_end(addresses)
+        remember(layout.plans, addresses, stored, _PLAN_CACHE_SIZE)
         layout.last = (addresses, stored)
-        if len(layout.plans) > _PLAN_CACHE_SIZE:
-            layout.plans.popitem(last=False)
     else:
         layout.plans.pop(addresses, None)
         layout.last = None

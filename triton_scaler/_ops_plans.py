@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ._backend import triton_kernels
+from ._lru import recent, remember
 from ._stored_plans import tensor_guards
 
 _CAPACITY = 8  # grad lists remembered (a loop has one or a few: per model, per optimizer)
@@ -53,9 +54,8 @@ def unscale_planned(grads: list[torch.Tensor], found_inf: torch.Tensor,
         key = (found_inf.device, tuple(map(_DATA_PTR, grads)))
     except (TypeError, RuntimeError):  # a grad without a data pointer (sparse): checked below
         key = None
-    stored = _stored.get(key) if key is not None else None
+    stored = recent(_stored, key) if key is not None else None
     if stored is not None and stored.guard is not None and stored.guard.check(*grads):
-        _stored.move_to_end(key)
         for index, template in stored.launches:
             kernels.launch_unscale(template.rebased(grads[index]), found_inf, inv_scale,
                                    write=write)
@@ -93,10 +93,7 @@ def _store(key: tuple, launches: list, grads: list[torch.Tensor], seen: bool) ->
     if seen and guard is None:  # a torch without TensorGuards: nothing to check reuse with
         _stored.pop(key, None)
         return
-    _stored[key] = _StoredLaunches(launches, guard)
-    _stored.move_to_end(key)
-    if len(_stored) > _CAPACITY:
-        _stored.popitem(last=False)
+    remember(_stored, key, _StoredLaunches(launches, guard), _CAPACITY)
 
 
 def clear() -> None:
