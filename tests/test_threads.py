@@ -199,14 +199,22 @@ def _train(scaler_cls, seed: int, device: torch.device, **kwargs):
     data = [torch.randn(5, 11, generator=gen).to(device) for _ in range(6)]
 
     def run():
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if seed % 3 == 2:  # the fused route: no unscale_ pass, found_inf passed to the kernel
+            opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        buckets = triton_scaler.GradBuckets(opt) if seed % 3 == 1 and kwargs else None
         scaler = scaler_cls(device.type, init_scale=2.0 ** 10, growth_interval=2, **kwargs)
         scales = []
         for step, x in enumerate(data):
-            opt.zero_grad()
+            if buckets is not None:
+                buckets.zero_()
+            else:
+                opt.zero_grad()
             loss = model(x).square().mean() * (math.inf if step == 2 + seed % 2 else 1.0)
             scaler.scale(loss).backward()
-            scaler.unscale_(opt)
+            if seed % 3 != 2:
+                scaler.unscale_(opt)
             scaler.step(opt)
             scaler.update()
             scales.append(scaler.get_scale())
@@ -216,8 +224,8 @@ def _train(scaler_cls, seed: int, device: torch.device, **kwargs):
 
 
 def test_scalers_in_several_threads_equal_torchs(switching_threads, backend):
-    """3 threads, each training its own model with its own scaler, against torch's scaler
-    run alone for each."""
+    """3 threads, each training its own model with its own scaler (SGD; SGD over
+    GradBuckets; fused Adam), against torch's scaler run alone for each."""
     device = torch.device("cpu")
     runs = [_train(triton_scaler.GradScaler, i, device, backend=backend) for i in range(3)]
     results = _in_threads(lambda i: runs[i](), 3)
