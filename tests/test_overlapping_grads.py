@@ -20,8 +20,8 @@ from _util import assert_all_same, assert_same
 from triton_scaler.kernels.plan import _ranges_overlap
 
 from triton_scaler import GradScaler, all_finite, ops
+from triton_scaler._memory import _offsets, share_elements
 from triton_scaler._memory import overlaps as _overlaps
-from triton_scaler._memory import share_elements
 
 OVERLAP = "more than one element of a gradient refers to a single memory location"
 SHARED = "two gradients share part of their memory"
@@ -281,3 +281,16 @@ def test_shared_elements_agree_with_every_offset_compared():
         assert share_elements(views[0][0], views[1][0]) == expected
         seen[expected] += 1
     assert min(seen.values()) > 100
+
+
+def test_offsets_cost_the_elements_not_the_span():
+    """A column block of a large matrix spans the matrix: its offsets are counted from its
+    elements (before: an arange over the span, 8 bytes an element of the matrix)."""
+    assert _offsets((3, 2), (10**12, 1), 5).tolist() == [
+        5, 6, 10**12 + 5, 10**12 + 6, 2 * 10**12 + 5, 2 * 10**12 + 6]
+    assert _offsets((), (), 7).tolist() == [7]
+    assert _offsets((2, 3), (0, 4), 0).tolist() == [0, 4, 8, 0, 4, 8]
+    base = torch.arange(2 * 3 * 5.0).view(2, 3, 5)
+    for view in (base, base[:, ::2, 1:4], base.permute(2, 0, 1), base[1, :, 3:4]):
+        offsets = _offsets(tuple(view.shape), view.stride(), view.storage_offset())
+        assert torch.equal(offsets, view.reshape(-1).long())

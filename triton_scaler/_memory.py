@@ -46,8 +46,13 @@ def overlaps(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
 
 
 def _offsets(shape, strides, shift: int) -> torch.Tensor:
-    span = 1 + sum(st * (sz - 1) for st, sz in zip(strides, shape))
-    return torch.arange(shift, shift + span).as_strided(shape, strides).reshape(-1)
+    """Every element's offset, ``shift`` plus its index times the strides, in the tensor's
+    order (CPU int64): memory for ``numel`` offsets, not for the span (a column block of a
+    large matrix spans the matrix)."""
+    offsets = torch.full((), shift, dtype=torch.int64)
+    for size, stride in zip(shape, strides):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+    return offsets.reshape(-1)
 
 
 def _element_offsets(t: torch.Tensor, base: int) -> torch.Tensor | None:
