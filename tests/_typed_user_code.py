@@ -20,7 +20,7 @@ from triton_scaler import (
     ShardedGradScaler,
     ops,
 )
-from triton_scaler.compat import apex, deepspeed, mindspore
+from triton_scaler.compat import apex, deepspeed, megatron, mindspore
 from triton_scaler.diagnostics import count_host_syncs
 from triton_scaler.schedulers import SkipAwareScheduler
 
@@ -115,3 +115,13 @@ def peers(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
     assert_type(ms.adjust(mindspore.all_finite((loss,))), bool)
     manager = mindspore.DynamicLossScaleManager(2.0**24, 2, 1000)
     assert_type(manager.get_grad_scaler("cpu"), GradScaler)
+    mg = megatron.DynamicGradScaler(2.0**16, 1.0, 2.0, 0.5, 1000, 2, backend="reference")
+    assert_type(mg.scale, torch.Tensor)
+    assert_type(mg.inv_scale, torch.Tensor)
+    mg.update(False)
+    mg.update(torch.zeros(1))
+    mg.load_state_dict(mg.state_dict())
+    assert_type(mg.state_dict(), dict[str, Any])
+    assert_type(mg.growth_interval, int)
+    constant: megatron.MegatronGradScaler = megatron.ConstantGradScaler(2.0**8)
+    constant.update(True)

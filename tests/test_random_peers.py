@@ -20,6 +20,7 @@ from test_compat_apex import _iteration
 from triton_scaler import GradScaler
 from triton_scaler.compat.apex import Amp
 from triton_scaler.compat.deepspeed import DynamicLossScaler as DeepSpeedScaler
+from triton_scaler.compat.megatron import DynamicGradScaler as MegatronAdapter
 from triton_scaler.compat.mindspore import DynamicLossScaler
 
 SEEDS = range(12)
@@ -144,6 +145,33 @@ def test_hysteresis_follows_megatron_over_random_settings(backend, seed):
         assert scaler._get_growth_tracker() == peer._growth_tracker, step
         if hysteresis > 1:  # (with 1, torch's rule: ours keeps no count, Megatron's goes < 0)
             assert scaler.state_dict()["_hysteresis_tracker"] == peer._hysteresis_tracker, step
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_megatron_adapter_follows_megatron_over_random_settings(backend, seed):
+    """compat.megatron.DynamicGradScaler, any factors (float32 does not hold most of them
+    exactly), bool and tensor flags: the scale's bits and both trackers after every update.
+    Settings whose scale would grow to inf within the steps (Megatron's does, ours not) are
+    drawn again."""
+    rng = random.Random(seed)
+    while True:
+        growth = rng.choice([2.0, 1.5, 3.0, 1.01, 1.7, 10.0])
+        backoff = rng.choice([0.5, 0.25, 0.3, 0.9, 0.99, 0.1])
+        min_scale = rng.choice([1.0, 2.0**-5, 0.1, 3.3, 2.0**10])
+        init = max(rng.choice([2.0**16, 1.0, 7.5, 1e20]), min_scale)
+        hysteresis, window = rng.randint(1, 4), rng.randint(1, 6)
+        flags = _flags(rng)
+        if init * growth ** (len(flags) / window) < float(torch.finfo(torch.float32).max):
+            break
+    args = (init, min_scale, growth, backoff, window, hysteresis)
+    ours = MegatronAdapter(*args, device="cpu", backend=backend)
+    peer = MegatronDynamicGradScaler(*args)
+    for step, overflow in enumerate(flags):
+        peer.update(overflow)
+        ours.update(torch.tensor([float(overflow)]) if rng.random() < 0.5 else overflow)
+        assert torch.equal(ours.scale, peer._scale), (step, args)
+        assert ours._growth_tracker.item() == peer._growth_tracker, step
+        assert ours._hysteresis_tracker.item() == peer._hysteresis_tracker, step
 
 
 @pytest.mark.parametrize("seed", SEEDS)
