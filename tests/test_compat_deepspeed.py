@@ -1,5 +1,6 @@
 """triton_scaler.compat.deepspeed against DeepSpeed's DynamicLossScaler rule."""
 
+import io
 import math
 
 import pytest
@@ -8,6 +9,7 @@ from _peers import DeepSpeedDynamicLossScaler, overflow_bursts
 
 from triton_scaler import GradScaler
 from triton_scaler.compat.deepspeed import CreateLossScaler, DynamicLossScaler, LossScaler
+from triton_scaler.diagnostics import count_host_syncs
 
 
 def _drive(ours, peer, flags, as_tensor):
@@ -132,6 +134,46 @@ def test_against_the_real_deepspeed_when_installed(monkeypatch):
         ours = DynamicLossScaler(2.0**16, 4, 1.0, delayed_shift, consecutive,
                                  raise_error_at_min_scale=False, device="cpu")
         _drive(ours, peer, overflow_bursts(150, delayed_shift), False)
+        peer.cur_scale = ours.cur_scale = 2.0**5  # as ZeRO's loss_scale setter does
+        _drive(ours, peer, overflow_bursts(50, delayed_shift), False)
+
+
+def test_cur_scale_is_settable_as_deepspeeds_zero_optimizers_set_it(backend):
+    """ZeRO's ``optimizer.loss_scale = v`` writes ``loss_scaler.cur_scale``: the device scale
+    is filled (no host read) and the trajectory goes on as DeepSpeed's from that value."""
+    ours = DynamicLossScaler(2.0**8, 3, 1.0, 2, False, raise_error_at_min_scale=False,
+                             device="cpu", backend=backend)
+    peer = DeepSpeedDynamicLossScaler(2.0**8, 2.0, 3, 1.0, 2, False, False)
+    flags = overflow_bursts(80, 3, p_start=0.15)
+    _drive(ours, peer, flags[:40], True)
+    with count_host_syncs() as syncs:
+        ours.cur_scale = 48.0
+    assert syncs.count == 0
+    peer.cur_scale = 48.0
+    _drive(ours, peer, flags[40:], True)
+    static = LossScaler(4.0, device="cpu")
+    static.cur_scale = 2**10
+    assert static.loss_scale == 1024.0
+    for bad, error in ((0.0, ValueError), (math.inf, ValueError), ("8", TypeError)):
+        with pytest.raises(error, match="cur_scale must be a"):
+            ours.cur_scale = bad
+    assert ours.loss_scale == peer.cur_scale  # unchanged by the refused values
+
+
+def test_a_saved_scaler_object_goes_on_as_the_original(backend):
+    """ZeRO's checkpoints hold the loss scaler object itself (torch.save of the object)."""
+    scaler = DynamicLossScaler(2.0**6, 2, 1.0, 2, False, device="cpu", backend=backend)
+    for overflow in (True, False, True):
+        scaler.update_scale(overflow)
+    buffer = io.BytesIO()
+    torch.save({"loss_scaler": scaler}, buffer)
+    buffer.seek(0)
+    restored = torch.load(buffer, weights_only=False)["loss_scaler"]
+    for overflow in overflow_bursts(40, 2, p_start=0.2):
+        scaler.update_scale(overflow)
+        restored.update_scale(overflow)
+        assert (restored.loss_scale, restored.cur_hysteresis) == \
+            (scaler.loss_scale, scaler.cur_hysteresis)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -8,7 +8,11 @@ import torch
 from _peers import MegatronDynamicGradScaler, overflow_bursts
 
 from triton_scaler import ops
-from triton_scaler.compat.megatron import ConstantGradScaler, DynamicGradScaler
+from triton_scaler.compat.megatron import (
+    ConstantGradScaler,
+    DynamicGradScaler,
+    MegatronGradScaler,
+)
 from triton_scaler.diagnostics import count_host_syncs
 from triton_scaler.policy import ScalerArgumentError
 
@@ -225,7 +229,7 @@ def test_bad_state_dicts_are_refused_and_change_nothing(change, error, match):
 @pytest.mark.parametrize("args, error, match", [
     ((0.0, 1.0, 2.0, 0.5, 1, 1), ScalerArgumentError, "initial_scale must be a finite number"),
     ((8.0, 0.0, 2.0, 0.5, 1, 1), ScalerArgumentError, "min_scale must be > 0; got 0.0"),
-    ((8.0, 16.0, 2.0, 0.5, 1, 1), ScalerArgumentError, r"initial_scale must lie in \[min_sca"),
+    ((8.0, 16.0, 2.0, 0.5, 1, 1), ScalerArgumentError, "min_scale must be <= initial_scale"),
     ((8.0, 1.0, 1.0, 0.5, 1, 1), ScalerArgumentError, "growth factor must be > 1.0"),
     ((8.0, 1.0, 2.0, 1.0, 1, 1), ScalerArgumentError, "backoff factor must be < 1.0"),
     ((8.0, 1.0, 2.0, 0.0, 1, 1), ScalerArgumentError, "backoff_factor must be in"),
@@ -243,3 +247,6 @@ def test_bad_arguments_name_the_argument(args, error, match):
         DynamicGradScaler(8.0, 1.0, 2.0, 0.5, 1, 1, device="cpu", backend="cuda")
     with pytest.raises(AssertionError, match="initial_scale must be a finite number"):
         ConstantGradScaler(-1.0, device="cpu")
+    DynamicGradScaler(0.1, 0.1, 2.0, 0.5, 1, 1, device="cpu")  # equal, as given: accepted
+    with pytest.raises(TypeError, match="abstract"):
+        MegatronGradScaler(8.0, device="cpu")  # as Megatron's

@@ -42,7 +42,14 @@ class LossScaler:
 
     @property
     def cur_scale(self) -> float:
+        """The current scale (synchronises). Settable, as DeepSpeed's attribute, which its
+        ZeRO optimizers' ``loss_scale`` / ``cur_scale`` setters write: the device scale is
+        filled (no sync); a value that is not a finite float32 scale > 0 raises."""
         return self.loss_scale
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        self._scale.fill_(check_scale_value("cur_scale", value))
 
     def scale_gradient(self, module: torch.nn.Module, grad_in: tuple[torch.Tensor | None, ...],
                        grad_out: tuple[torch.Tensor | None, ...]

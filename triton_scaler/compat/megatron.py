@@ -19,6 +19,7 @@ passed where Megatron builds its own (``get_megatron_optimizer``'s ``grad_scaler
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -78,9 +79,10 @@ def _found_inf_flag(found_inf: object, flags: torch.Tensor) -> torch.Tensor:
     return flag.to(device=flags.device, dtype=torch.float32).reshape(())
 
 
-class MegatronGradScaler:
-    """Megatron's base: a loss scale held as a one-element float32 tensor on ``device``
-    (default: CUDA when available, else CPU). ``backend`` as in :mod:`triton_scaler.ops`."""
+class MegatronGradScaler(abc.ABC):
+    """Megatron's abstract base: a loss scale held as a one-element float32 tensor on
+    ``device`` (default: CUDA when available, else CPU). ``backend`` as in
+    :mod:`triton_scaler.ops`."""
 
     def __init__(self, initial_scale: float, *, device: str | torch.device | None = None,
                  backend: Backend = "auto") -> None:
@@ -104,14 +106,14 @@ class MegatronGradScaler:
         """``fp32(1 / fp64(scale))``, a new one-element tensor on the device (no sync)."""
         return reference.inv_scale_of(self._scale)
 
-    def update(self, found_inf: FoundInf) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def update(self, found_inf: FoundInf) -> None: ...
 
-    def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None: ...
 
 
 class ConstantGradScaler(MegatronGradScaler):
@@ -137,9 +139,9 @@ class DynamicGradScaler(MegatronGradScaler):
     ``growth_factor`` after ``growth_interval`` clean steps in a row, refilling the hysteresis.
 
     The scale and both trackers live on the device; :meth:`update` is one launch, without a
-    host sync. Bad arguments raise
-    :class:`~triton_scaler.policy.ScalerArgumentError` (a ``ValueError`` and, where Megatron
-    asserts, an ``AssertionError``) or ``TypeError``, naming the argument.
+    host sync. Bad arguments raise :class:`~triton_scaler.policy.ScalerArgumentError` (a
+    ``ValueError`` and, where Megatron asserts, an ``AssertionError``) or ``TypeError``,
+    naming the argument.
     """
 
     def __init__(self, initial_scale: float, min_scale: float, growth_factor: float,
@@ -148,12 +150,15 @@ class DynamicGradScaler(MegatronGradScaler):
         with _asserted():
             if not as_real("min_scale", min_scale) > 0.0:
                 raise ValueError(f"min_scale must be > 0; got {min_scale!r}")
+            scale = check_scale_value("initial_scale", initial_scale)
+            if float(min_scale) > scale:  # compared as given, as Megatron's assert
+                raise ValueError(f"min_scale must be <= initial_scale; got min_scale="
+                                 f"{min_scale!r} > initial_scale={initial_scale!r}")
             self._policy = ScalePolicy.create(dict(
                 growth_factor=_fp32(as_real("growth_factor", growth_factor)),
                 backoff_factor=_fp32(as_real("backoff_factor", backoff_factor)),
                 growth_interval=growth_interval, hysteresis=hysteresis,
                 min_scale=_fp32(min_scale)))
-            scale = check_scale_value("initial_scale", initial_scale, self._policy)
         self._init_scale(scale, device, backend)
         self._growth_tracker = torch.zeros((1,), dtype=torch.int32, device=self._device)
         self._hysteresis_tracker = torch.full((1,), self._policy.hysteresis, dtype=torch.int32,
