@@ -2,10 +2,14 @@
 
 import io
 import math
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
 from _peers import DeepSpeedDynamicLossScaler, overflow_bursts
+from _util import assert_all_same
 
 from triton_scaler import GradScaler
 from triton_scaler.compat.deepspeed import CreateLossScaler, DynamicLossScaler, LossScaler
@@ -174,6 +178,28 @@ def test_a_saved_scaler_object_goes_on_as_the_original(backend):
         restored.update_scale(overflow)
         assert (restored.loss_scale, restored.cur_hysteresis) == \
             (scaler.loss_scale, scaler.cur_hysteresis)
+
+
+def _engine_run(stage, scaler, folder):
+    folder.mkdir()
+    script = pathlib.Path(__file__).with_name("_deepspeed_engine.py")
+    subprocess.run([sys.executable, str(script), str(folder), str(stage), scaler], check=True,
+                   timeout=300, capture_output=True)
+    return torch.load(folder / "result.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_in_the_real_deepspeed_zero_engine_when_installed(backend, stage, tmp_path):
+    """DeepSpeed's own ZeRO engine (CPU accelerator) with this adapter in place of its loss
+    scaler: the same scales and parameters, through overflows, ZeRO's ``loss_scale`` setter
+    and a checkpoint saved and loaded into a new engine (which restores the scaler object)."""
+    pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    theirs = _engine_run(stage, "deepspeed", tmp_path / "deepspeed")
+    ours = _engine_run(stage, backend, tmp_path / backend)
+    assert theirs["scaler_types"] == ["deepspeed.runtime.fp16.loss_scaler"]
+    assert ours["scaler_types"] == ["triton_scaler.compat.deepspeed"]
+    assert ours["scales"] == theirs["scales"] and len(set(theirs["scales"])) > 3
+    assert_all_same(ours["params"], theirs["params"])
 
 
 @pytest.mark.parametrize("kwargs, match", [
