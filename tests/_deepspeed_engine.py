@@ -4,7 +4,8 @@ with DeepSpeed's loss scaler or, in its place, triton_scaler.compat.deepspeed's.
 
 Usage: python _deepspeed_engine.py OUT_DIR ZERO_STAGE deepspeed|reference|triton
 Overflows at fixed steps, ``optimizer.loss_scale = 64`` at step 7 (ZeRO's setter) and a
-checkpoint saved and loaded into a new engine at step 12; saves OUT_DIR/result.pt."""
+checkpoint saved and loaded into a new engine at step 12; saves the scales, the host reads
+per step (``count_host_syncs``) and the parameters to OUT_DIR/result.pt."""
 
 import math
 import os
@@ -50,8 +51,10 @@ def main(out: str, stage: int, scaler: str) -> None:
 
     engine, optimizer = new_engine()
     scaler_types = {type(optimizer.loss_scaler).__module__}
+    from triton_scaler.diagnostics import count_host_syncs
+
     gen = torch.Generator().manual_seed(1)
-    scales = []
+    scales, syncs = [], []
     for step in range(20):
         if step == 12:
             engine.save_checkpoint(f"{out}/checkpoint")
@@ -60,11 +63,13 @@ def main(out: str, stage: int, scaler: str) -> None:
             scaler_types.add(type(optimizer.loss_scaler).__module__)
         if step == 7:
             optimizer.loss_scale = 64.0
-        loss = engine(torch.randn(4, 9, generator=gen).half()).float().square().mean()
-        engine.backward(loss * (math.inf if step in OVERFLOW_STEPS else 1.0))
-        engine.step()
+        with count_host_syncs() as counter:  # DeepSpeed's own reads included
+            loss = engine(torch.randn(4, 9, generator=gen).half()).float().square().mean()
+            engine.backward(loss * (math.inf if step in OVERFLOW_STEPS else 1.0))
+            engine.step()
+        syncs.append(counter.count)
         scales.append(float(optimizer.cur_scale))
-    torch.save({"scales": scales, "scaler_types": sorted(scaler_types),
+    torch.save({"scales": scales, "syncs": syncs, "scaler_types": sorted(scaler_types),
                 "params": [p.detach().clone() for p in engine.module.parameters()]},
                f"{out}/result.pt")
     dist.barrier()

@@ -1,6 +1,9 @@
-"""Exact comparison helpers shared by the tests."""
+"""Exact comparison helpers shared by the tests, and a counter of host-data uploads."""
+
+import contextlib
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _INT_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
            torch.float64: torch.int64}
@@ -47,3 +50,22 @@ def view_in(memory: torch.Tensor, shape: tuple[int, ...], layout: str) -> torch.
     if layout.endswith("channels_last") and len(shape) == 2:
         return flat.view(shape[::-1]).t()
     return flat.view(shape)
+
+
+class _Uploads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.lift_fresh.default
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_uploads():
+    """Counts tensors made from Python data (``torch.tensor(x)``, ``torch.as_tensor(x)``:
+    ``aten.lift_fresh``) while open: on CUDA each is a host-to-device copy, which
+    synchronises. ``.count`` on the yielded object."""
+    with _Uploads() as counter:
+        yield counter

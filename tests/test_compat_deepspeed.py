@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from _peers import DeepSpeedDynamicLossScaler, overflow_bursts
-from _util import assert_all_same
+from _util import assert_all_same, count_uploads
 
 from triton_scaler import GradScaler
 from triton_scaler.compat.deepspeed import CreateLossScaler, DynamicLossScaler, LossScaler
@@ -164,6 +164,29 @@ def test_cur_scale_is_settable_as_deepspeeds_zero_optimizers_set_it(backend):
     assert ours.loss_scale == peer.cur_scale  # unchanged by the refused values
 
 
+def test_host_reads_and_uploads_per_update(backend):
+    """A bool flag (as DeepSpeed's optimizers pass it) is not uploaded; a clean step given as
+    False reads nothing; ``loss_scale`` reads the device once after an update, and not at
+    all after the setter; a possible backoff reads once (the minimum-scale check)."""
+    scaler = DynamicLossScaler(2.0**6, 2, 1.0, 2, False, device="cpu", backend=backend)
+    scaler.update_scale(False)  # the first update ever uploads the policy's parameters once
+    with count_host_syncs() as syncs, count_uploads() as uploads:
+        scaler.update_scale(False)
+    assert (syncs.count, uploads.count) == (0, 0)
+    with count_host_syncs() as syncs:
+        reads = [scaler.loss_scale, scaler.cur_scale, scaler.loss_scale]
+    assert syncs.count == 1 and reads == [64.0] * 3
+    scaler.update_scale(False)  # DeepSpeed's first growth: the window's third clean step
+    with count_host_syncs() as syncs, count_uploads() as uploads:
+        assert scaler.loss_scale == 128.0
+        scaler.update_scale(True)
+    assert (syncs.count, uploads.count) == (2, 0)
+    scaler.cur_scale = 3.3  # held as float32
+    with count_host_syncs() as syncs:
+        read = scaler.loss_scale
+    assert syncs.count == 0 and read == torch.tensor(3.3).item() == scaler._scale.item()
+
+
 def test_a_saved_scaler_object_goes_on_as_the_original(backend):
     """ZeRO's checkpoints hold the loss scaler object itself (torch.save of the object)."""
     scaler = DynamicLossScaler(2.0**6, 2, 1.0, 2, False, device="cpu", backend=backend)
@@ -192,7 +215,8 @@ def _engine_run(stage, scaler, folder):
 def test_in_the_real_deepspeed_zero_engine_when_installed(backend, stage, tmp_path):
     """DeepSpeed's own ZeRO engine (CPU accelerator) with this adapter in place of its loss
     scaler: the same scales and parameters, through overflows, ZeRO's ``loss_scale`` setter
-    and a checkpoint saved and loaded into a new engine (which restores the scaler object)."""
+    and a checkpoint saved and loaded into a new engine (which restores the scaler object),
+    with at most one host read a step more than DeepSpeed's own scaler."""
     pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
     theirs = _engine_run(stage, "deepspeed", tmp_path / "deepspeed")
     ours = _engine_run(stage, backend, tmp_path / backend)
@@ -200,6 +224,10 @@ def test_in_the_real_deepspeed_zero_engine_when_installed(backend, stage, tmp_pa
     assert ours["scaler_types"] == ["triton_scaler.compat.deepspeed"]
     assert ours["scales"] == theirs["scales"] and len(set(theirs["scales"])) > 3
     assert_all_same(ours["params"], theirs["params"])
+    # DeepSpeed's optimizers read loss_scale several times a step: the device once (after the
+    # update), not at each read (then 7 more reads a step than with DeepSpeed's own scaler)
+    assert all(o <= t + 1 for o, t in zip(ours["syncs"], theirs["syncs"], strict=True)), \
+        (ours["syncs"], theirs["syncs"])
 
 
 @pytest.mark.parametrize("kwargs, match", [

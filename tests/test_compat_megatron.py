@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from _peers import MegatronDynamicGradScaler, overflow_bursts
+from _util import count_uploads
 
 from triton_scaler import ops
 from triton_scaler.compat.megatron import (
@@ -119,14 +120,21 @@ def test_a_megatron_style_training_loop_is_bit_identical(backend):
     assert all(torch.equal(a, b) for a, b in zip(our_params, params, strict=True))
 
 
-def test_update_with_a_found_inf_tensor_reads_nothing_on_the_host(backend):
+def test_update_reads_nothing_on_the_host_and_uploads_no_bool(backend):
+    """A tensor flag is not read; a bool flag (Megatron's) is not uploaded (on CUDA an
+    upload from a Python value synchronises)."""
     scaler = DynamicGradScaler(2.0**10, 1.0, 2.0, 0.5, 2, 2, device="cpu", backend=backend)
-    with count_host_syncs() as syncs:
-        for flag in (torch.zeros(1), torch.ones(1), torch.tensor(True), torch.zeros(())):
+    flags = (torch.zeros(1), torch.ones(1), torch.tensor(True), torch.zeros(()))
+    scaler.update(False)
+    scaler.update(True)  # the first update ever uploads the policy's parameters once
+    scaler.load_state_dict({"scale": torch.tensor([2.0**10]), "growth_tracker": 0,
+                            "hysteresis_tracker": 2})
+    with count_host_syncs() as syncs, count_uploads() as uploads:
+        for flag in flags:
             scaler.update(flag)
         scaler.update(False)
         _ = scaler.inv_scale
-    assert syncs.count == 0
+    assert (syncs.count, uploads.count) == (0, 0)
     # backed off at the second overflow (hysteresis 2), grown back after two clean steps
     assert scaler.scale.item() == 2.0**10 and scaler._hysteresis_tracker.item() == 2
 

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from _peers import MindSporeDynamicLossScaler, overflow_bursts
+from _util import count_uploads
 
 from triton_scaler import GradScaler
 from triton_scaler.compat.mindspore import (
@@ -14,6 +15,7 @@ from triton_scaler.compat.mindspore import (
     StaticLossScaler,
     all_finite,
 )
+from triton_scaler.diagnostics import count_host_syncs
 
 
 @pytest.mark.parametrize("factor, window, init", [(2, 3, 2.0**10), (2, 1, 4.0), (4, 5, 2.0**100)])
@@ -26,6 +28,21 @@ def test_dynamic_adjust_matches_mindspore(backend, factor, window, init):
         assert ours.scale_value.item() == peer.scale_value.item()
         assert ours.counter.item() == peer.counter.item()
     assert ours.scale_value.item() >= 1.0
+
+
+def test_adjust_uploads_no_bool_and_reads_nothing(backend):
+    """A bool flag is not uploaded (on CUDA an upload from a Python value synchronises)."""
+    scaler = DynamicLossScaler(2.0**10, 2, 2, device="cpu", backend=backend)
+    scaler.adjust(True)  # the first update ever uploads the policy's parameters once
+    flags = (False, True, True, torch.tensor(True), torch.tensor([False]))
+    with count_host_syncs() as syncs, count_uploads() as uploads:
+        for finite in flags:
+            scaler.adjust(finite)
+    assert (syncs.count, uploads.count) == (0, 0)
+    peer = MindSporeDynamicLossScaler(2.0**10, 2, 2)
+    for finite in (True, False, True, True, True, False):
+        peer.adjust(torch.tensor(finite))
+    assert peer.scale_value.item() == scaler.scale_value.item() == 2.0**9
 
 
 def test_scale_unscale_and_all_finite(backend):

@@ -1,7 +1,10 @@
-"""Helpers shared by the adapters: the default device and the gradient lists."""
+"""Helpers shared by the adapters: the default device, the gradient lists, host flags and
+values as the device holds them."""
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Iterable
 
 import torch
@@ -23,3 +26,19 @@ def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
             grads.append(g._values() if g.is_sparse else g)
     return grads
 
+
+
+def bool_flags(device: torch.device) -> torch.Tensor:
+    """``[0.0, 1.0]`` (float32) on ``device``, made once per scaler: a host bool ``b`` becomes
+    the device flag ``flags[int(b)]``, a view, with no host-to-device copy per step (on CUDA a
+    copy from a Python value synchronises)."""
+    return torch.tensor([0.0, 1.0], device=device)
+
+
+def fp32_value(value: float) -> float:
+    """``value`` rounded to float32 (to nearest, ties to even), as a float32 tensor holds it;
+    ``±inf`` past float32's range. Pure Python: no tensor, no host read."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)

@@ -15,7 +15,7 @@ import torch
 from .. import ops
 from .._backend import Backend, check_backend
 from ..policy import ScalePolicy, as_bool, check_scale_value
-from ._common import default_device, grads_of
+from ._common import bool_flags, default_device, fp32_value, grads_of
 
 _NAMES = {"growth_interval": "scale_window", "hysteresis": "delayed_shift"}
 
@@ -34,11 +34,15 @@ class LossScaler:
         self._device = default_device(device)
         self._backend = backend
         self._scale = torch.full((), scale, dtype=torch.float32, device=self._device)
+        self._known_scale: float | None = fp32_value(scale)  # the device value, when known
 
     @property
     def loss_scale(self) -> float:
-        """The current scale as a Python float (synchronises)."""
-        return float(self._scale.item())
+        """The current scale as a Python float. DeepSpeed's optimizers read it several times
+        a step: only the first read after an update reads the device (one sync)."""
+        if self._known_scale is None:
+            self._known_scale = float(self._scale.item())
+        return self._known_scale
 
     @property
     def cur_scale(self) -> float:
@@ -49,7 +53,9 @@ class LossScaler:
 
     @cur_scale.setter
     def cur_scale(self, value: float) -> None:
-        self._scale.fill_(check_scale_value("cur_scale", value))
+        scale = check_scale_value("cur_scale", value)
+        self._scale.fill_(scale)
+        self._known_scale = fp32_value(scale)
 
     def scale_gradient(self, module: torch.nn.Module, grad_in: tuple[torch.Tensor | None, ...],
                        grad_out: tuple[torch.Tensor | None, ...]
@@ -76,9 +82,11 @@ class DynamicLossScaler(LossScaler):
     """DeepSpeed ``DynamicLossScaler``: halve on overflow (after ``delayed_shift`` overflows of
     hysteresis), double after ``scale_window`` clean steps, never below ``min_scale``.
 
-    ``update_scale(overflow)`` takes a bool or a 0-d tensor (e.g. from :meth:`has_overflow`,
-    which avoids a host sync). ``raise_error_at_min_scale`` reads the state on the host (one
-    sync per update), as DeepSpeed does.
+    ``update_scale(overflow)`` takes a bool (as DeepSpeed's optimizers pass it; no upload) or
+    a 0-d tensor (e.g. from :meth:`has_overflow`, which avoids a host sync).
+    ``raise_error_at_min_scale`` reads the state on the host (one sync) at an update that may
+    back off, i.e. not at a clean step given as ``False``. ``loss_scale`` / ``cur_scale``
+    read the device only at their first read after an update.
     """
 
     dynamic = True
@@ -107,6 +115,7 @@ class DynamicLossScaler(LossScaler):
         # the start): the growth tracker starts one below torch's.
         self._growth_tracker = torch.full((), -1, dtype=torch.int32, device=self._device)
         self._hysteresis = torch.full((), self.delayed_shift, dtype=torch.int32, device=self._device)
+        self._bool_flags = bool_flags(self._device)
 
     @property
     def cur_hysteresis(self) -> int:
@@ -114,14 +123,19 @@ class DynamicLossScaler(LossScaler):
         return max(int(self._hysteresis.item()), 1)
 
     def update_scale(self, overflow: bool | torch.Tensor) -> None:
-        found = torch.as_tensor(overflow, device=self._device).to(torch.float32).reshape(())
-        if self.raise_error_at_min_scale:  # one host read, as DeepSpeed's own checks
+        if isinstance(overflow, bool):  # DeepSpeed's optimizers pass a bool: no upload
+            found = self._bool_flags[int(overflow)]
+        else:
+            found = torch.as_tensor(overflow, device=self._device).to(torch.float32).reshape(())
+        # a host read, as DeepSpeed's own check; not for a clean step known on the host
+        if self.raise_error_at_min_scale and overflow is not False:
             backs_off = (found != 0) & ((self._hysteresis <= 1) | (self.delayed_shift == 1))
             if (backs_off & (self._scale == self.min_scale)).item():
                 raise Exception("Current loss scale already at minimum - cannot decrease scale "
                                 "anymore. Exiting run.")
         ops.update_with_policy_(self._scale, self._growth_tracker, found, self._policy,
                                 hysteresis_tracker=self._hysteresis, backend=self._backend)
+        self._known_scale = None
         self._growth_tracker.copy_(torch.where(found != 0, -1, self._growth_tracker))
 
 

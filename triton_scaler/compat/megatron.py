@@ -37,14 +37,9 @@ from ..policy import (
     as_real,
     check_scale_value,
 )
-from ._common import default_device
+from ._common import bool_flags, default_device, fp32_value
 
 FoundInf = bool | torch.Tensor
-
-
-def _fp32(value: float) -> float:
-    """``value`` rounded to float32, as Megatron's one-element float tensors hold it."""
-    return float(torch.tensor(value, dtype=torch.float32))
 
 
 @contextlib.contextmanager
@@ -155,15 +150,15 @@ class DynamicGradScaler(MegatronGradScaler):
                 raise ValueError(f"min_scale must be <= initial_scale; got min_scale="
                                  f"{min_scale!r} > initial_scale={initial_scale!r}")
             self._policy = ScalePolicy.create(dict(
-                growth_factor=_fp32(as_real("growth_factor", growth_factor)),
-                backoff_factor=_fp32(as_real("backoff_factor", backoff_factor)),
+                growth_factor=fp32_value(as_real("growth_factor", growth_factor)),
+                backoff_factor=fp32_value(as_real("backoff_factor", backoff_factor)),
                 growth_interval=growth_interval, hysteresis=hysteresis,
-                min_scale=_fp32(min_scale)))
+                min_scale=fp32_value(min_scale)))
         self._init_scale(scale, device, backend)
         self._growth_tracker = torch.zeros((1,), dtype=torch.int32, device=self._device)
         self._hysteresis_tracker = torch.full((1,), self._policy.hysteresis, dtype=torch.int32,
                                               device=self._device)
-        self._bool_flags = torch.tensor([0.0, 1.0], device=self._device)
+        self._bool_flags = bool_flags(self._device)
 
     def _fp32_tensor(self, value: float) -> torch.Tensor:
         return torch.tensor([value], dtype=torch.float32, device=self._device)

@@ -18,7 +18,7 @@ from .. import ops, reference
 from .._backend import Backend, check_backend
 from ..grad_scaler import GradScaler
 from ..policy import INT32_MAX, ScalePolicy, as_bool, as_int, check_scale_value
-from ._common import default_device
+from ._common import bool_flags, default_device
 
 TensorOrTuple = torch.Tensor | Sequence[torch.Tensor]
 
@@ -33,13 +33,14 @@ def _dynamic_policy(scale_factor: object, scale_window: object) -> ScalePolicy:
         name=lambda field: {"growth_interval": "scale_window"}.get(field, field))
 
 
-def _grads_finite_flag(grads_finite: object) -> torch.Tensor:
-    """MindSpore's ``adjust`` takes a bool or a bool tensor, nothing else (``~1 == -2``)."""
+def _overflow_flag(grads_finite: object, flags: torch.Tensor) -> torch.Tensor:
+    """The 0-d float32 overflow flag on ``flags``' device (:func:`bool_flags`) of MindSpore's
+    ``grads_finite``: a bool or a one-element bool tensor, nothing else (``~1 == -2``)."""
     if isinstance(grads_finite, bool):
-        return torch.tensor(grads_finite)
+        return flags[int(not grads_finite)]
     if isinstance(grads_finite, torch.Tensor) and grads_finite.dtype == torch.bool \
             and grads_finite.numel() == 1:
-        return grads_finite
+        return (~grads_finite.to(flags.device).reshape(())).to(torch.float32)
     raise TypeError("grads_finite must be a bool or a one-element bool tensor (e.g. from "
                     f"all_finite); got {type(grads_finite).__name__} {grads_finite!r}")
 
@@ -106,12 +107,12 @@ class DynamicLossScaler(StaticLossScaler):
         self.scale_factor = int(self._policy.growth_factor)
         self.scale_window = self._policy.growth_interval
         self.counter = torch.zeros((), dtype=torch.int32, device=self.scale_value.device)
+        self._bool_flags = bool_flags(self.scale_value.device)
 
     def adjust(self, grads_finite: torch.Tensor) -> bool:
         """Update ``scale_value`` from ``grads_finite`` (a bool or a one-element bool tensor),
         on the device. ``TypeError`` for any other flag, as MindSpore."""
-        flag = _grads_finite_flag(grads_finite).to(self.scale_value.device).reshape(())
-        found = (~flag).to(torch.float32)
+        found = _overflow_flag(grads_finite, self._bool_flags)
         ops.update_with_policy_(self.scale_value, self.counter, found, self._policy,
                                 backend=self._backend)
         return True
