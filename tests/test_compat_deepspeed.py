@@ -187,6 +187,32 @@ def test_host_reads_and_uploads_per_update(backend):
     assert syncs.count == 0 and read == torch.tensor(3.3).item() == scaler._scale.item()
 
 
+def test_bool_updates_on_the_triton_device_with_no_host_sync(triton_device):
+    """The Triton backend on its device (a GPU in a GPU run, there under CUDA's sync debug
+    mode "error"): updates from bools, as DeepSpeed's optimizers give them."""
+    flags = overflow_bursts(40, 2, p_start=0.2)
+    ours = DynamicLossScaler(2.0**8, 3, 1.0, 2, False, raise_error_at_min_scale=False,
+                             device=triton_device, backend="triton")
+    ours.update_scale(False)  # the first launch compiles
+    peer = DeepSpeedDynamicLossScaler(2.0**8, 2.0, 3, 1.0, 2, False, False)
+    peer.update_scale(False)
+    scales = []
+    if triton_device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for overflow in flags:
+            ours.update_scale(overflow)
+            scales.append(ours._scale.clone())
+    finally:
+        if triton_device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    for step, overflow in enumerate(flags):
+        peer.update_scale(overflow)
+        assert scales[step].item() == peer.cur_scale, step
+    assert len({s.item() for s in scales}) > 2
+
+
 def test_a_saved_scaler_object_goes_on_as_the_original(backend):
     """ZeRO's checkpoints hold the loss scaler object itself (torch.save of the object)."""
     scaler = DynamicLossScaler(2.0**6, 2, 1.0, 2, False, device="cpu", backend=backend)

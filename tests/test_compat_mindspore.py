@@ -45,6 +45,31 @@ def test_adjust_uploads_no_bool_and_reads_nothing(backend):
     assert peer.scale_value.item() == scaler.scale_value.item() == 2.0**9
 
 
+def test_bool_adjusts_on_the_triton_device_with_no_host_sync(triton_device):
+    """The Triton backend on its device (a GPU in a GPU run, there under CUDA's sync debug
+    mode "error"), from bools."""
+    flags = overflow_bursts(40, 4, p_start=0.2)
+    ours = DynamicLossScaler(2.0**10, 2, 3, device=triton_device, backend="triton")
+    ours.adjust(True)  # the first launch compiles
+    peer = MindSporeDynamicLossScaler(2.0**10, 2, 3)
+    peer.adjust(torch.tensor(True))
+    scales = []
+    if triton_device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for overflow in flags:
+            ours.adjust(not overflow)
+            scales.append(ours.scale_value.clone())
+    finally:
+        if triton_device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    for step, overflow in enumerate(flags):
+        peer.adjust(torch.tensor(not overflow))
+        assert scales[step].item() == peer.scale_value.item(), step
+    assert len({s.item() for s in scales}) > 2
+
+
 def test_scale_unscale_and_all_finite(backend):
     scaler = StaticLossScaler(1024.0, device="cpu", backend=backend)
     x = torch.tensor([1.0, -3.0])
