@@ -27,7 +27,6 @@ def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return grads
 
 
-
 def bool_flags(device: torch.device) -> torch.Tensor:
     """``[0.0, 1.0]`` (float32) on ``device``, made once per scaler: a host bool ``b`` becomes
     the device flag ``flags[int(b)]``, a view, with no host-to-device copy per step (on CUDA a

@@ -46,9 +46,9 @@ class LossScaler:
 
     @property
     def cur_scale(self) -> float:
-        """The current scale (synchronises). Settable, as DeepSpeed's attribute, which its
-        ZeRO optimizers' ``loss_scale`` / ``cur_scale`` setters write: the device scale is
-        filled (no sync); a value that is not a finite float32 scale > 0 raises."""
+        """The current scale, as :attr:`loss_scale`. Settable, as DeepSpeed's attribute,
+        which its ZeRO optimizers' ``loss_scale`` / ``cur_scale`` setters write: the device
+        scale is filled (no sync); a value that is not a finite float32 scale > 0 raises."""
         return self.loss_scale
 
     @cur_scale.setter
