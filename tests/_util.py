@@ -1,4 +1,5 @@
-"""Exact comparison helpers shared by the tests, and a counter of host-data uploads."""
+"""Exact comparison helpers shared by the tests, a counter of host-data uploads and CUDA's sync
+debug mode as a context."""
 
 import contextlib
 
@@ -69,3 +70,18 @@ def count_uploads():
     synchronises. ``.count`` on the yielded object."""
     with _Uploads() as counter:
         yield counter
+
+
+@contextlib.contextmanager
+def sync_errors(device: torch.device):
+    """On a CUDA ``device``: work queued so far finished, then CUDA's sync debug mode "error"
+    while open (any host synchronisation raises), "default" after. Elsewhere: nothing."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

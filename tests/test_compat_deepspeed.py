@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from _peers import DeepSpeedDynamicLossScaler, overflow_bursts
-from _util import assert_all_same, count_uploads
+from _util import assert_all_same, count_uploads, sync_errors
 
 from triton_scaler import GradScaler
 from triton_scaler.compat.deepspeed import CreateLossScaler, DynamicLossScaler, LossScaler
@@ -197,16 +197,10 @@ def test_bool_updates_on_the_triton_device_with_no_host_sync(triton_device):
     peer = DeepSpeedDynamicLossScaler(2.0**8, 2.0, 3, 1.0, 2, False, False)
     peer.update_scale(False)
     scales = []
-    if triton_device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_errors(triton_device):
         for overflow in flags:
             ours.update_scale(overflow)
             scales.append(ours._scale.clone())
-    finally:
-        if triton_device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
     for step, overflow in enumerate(flags):
         peer.update_scale(overflow)
         assert scales[step].item() == peer.cur_scale, step

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from _peers import MegatronDynamicGradScaler, overflow_bursts
-from _util import count_uploads
+from _util import count_uploads, sync_errors
 
 from triton_scaler import ops
 from triton_scaler.compat.megatron import (
@@ -150,17 +150,11 @@ def test_on_the_triton_device_with_no_host_sync(triton_device):
     peer.update(False)
     flags = overflow_bursts(60, 1, p_start=0.2)
     scales = []
-    if triton_device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_errors(triton_device):
         for step, overflow in enumerate(flags):
             found.fill_(float(overflow))
             ours.update(found if step % 2 else overflow)
             scales.append(ours.scale.clone())
-    finally:
-        if triton_device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
     for step, overflow in enumerate(flags):
         peer.update(overflow)
         assert torch.equal(scales[step].cpu(), peer._scale), step

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from _peers import MindSporeDynamicLossScaler, overflow_bursts
-from _util import count_uploads
+from _util import count_uploads, sync_errors
 
 from triton_scaler import GradScaler
 from triton_scaler.compat.mindspore import (
@@ -54,16 +54,10 @@ def test_bool_adjusts_on_the_triton_device_with_no_host_sync(triton_device):
     peer = MindSporeDynamicLossScaler(2.0**10, 2, 3)
     peer.adjust(torch.tensor(True))
     scales = []
-    if triton_device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_errors(triton_device):
         for overflow in flags:
             ours.adjust(not overflow)
             scales.append(ours.scale_value.clone())
-    finally:
-        if triton_device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
     for step, overflow in enumerate(flags):
         peer.adjust(torch.tensor(not overflow))
         assert scales[step].item() == peer.scale_value.item(), step

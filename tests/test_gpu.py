@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from _util import assert_all_same, assert_same
+from _util import assert_all_same, assert_same, sync_errors
 
 from triton_scaler import GradBuckets, GradScaler, ops
 
@@ -144,15 +144,11 @@ def test_fused_route_never_synchronises(cuda):
         scaler.scale(model(x).sum()).backward()
         scaler.step(opt)
         scaler.update()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_errors(cuda):
         scaler.scale(model(x).sum()).backward()
         scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def _evict_chunk_tables(cuda):
@@ -248,11 +244,8 @@ def test_clip_grad_norm_cuda(cuda, dtype, norm_type, sizes):
     for p, g in zip(params, _grads(sizes, dtype, cuda)):
         p.grad = g
     scaled = [p.grad.clone() for p in params]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_errors(cuda):
         total = scaler.clip_grad_norm_(opt, 0.5, norm_type)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     inv = torch.tensor(1024.0, device=cuda).double().reciprocal().float()
     unscaled = [g.clone() for g in scaled]
     for g in unscaled:
