@@ -31,7 +31,9 @@ install() {
   # setuptools then found no triton_scaler.kernels (2026-11-26); and with no build backend the
   # install fails: either way the source tree itself on PYTHONPATH, with kernels/ linked where
   # the installed package has it (triton_scaler/kernels, git-ignored)
-  if ! python -c "import triton_scaler.kernels" 2> /dev/null; then
+  # the check runs from / : from the root, ./triton_scaler (with a kernels link left by an earlier
+  # call on a warm machine) imports, but a script run from benchmarks/ does not find it
+  if ! (cd / && python -c "import triton_scaler.kernels") 2> /dev/null; then
     ln -sfn ../kernels triton_scaler/kernels
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     echo "triton_scaler.kernels not importable after pip install (install.log): the source" \

@@ -16,22 +16,26 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def load(path: Path) -> tuple[dict, dict, dict]:
-    """(kernel rows, host-cost rows, machine info) of a pytest-benchmark JSON."""
+def load(path: Path) -> tuple[dict, dict, dict, dict]:
+    """(kernel rows, host-cost rows, ops-call rows, machine info) of a pytest-benchmark JSON."""
     data = json.loads(path.read_text())
     rows: dict = defaultdict(dict)
     host: dict = {}  # (n_params, host layout, impl label) -> median seconds, kernels
+    ops: dict = defaultdict(dict)  # (n_grads, how the grads change) -> {kept: median seconds}
     for bench in data["benchmarks"]:
         info = bench["extra_info"]
         if info["case"] == "host":  # test_bench_host.py: a step's host time, no bytes
             key = (info["n_params"], info.get("host_layout", "heap"), info["impl"])
             host[key] = {"median": bench["stats"]["median"], "kernels": info["kernels"]}
             continue
+        if info["case"] == "ops host":  # test_bench_host.py: one ops call's host time
+            ops[(info["n_grads"], info["grads"])][info["kept"]] = bench["stats"]["median"]
+            continue
         key = (info["case"], info["dtype"], info["n_tensors"], info["numel"],
                info.get("fused", ""))
         rows[key][info["impl"]] = {"median": bench["stats"]["median"], "bytes": info["bytes"],
                                    "host_syncs": info.get("host_syncs")}
-    return rows, host, data.get("machine_info", {})
+    return rows, host, ops, data.get("machine_info", {})
 
 
 def host_table(host: dict) -> str:
@@ -49,6 +53,19 @@ def host_table(host: dict) -> str:
                 lines.append(f"| {n} | {name} | {layout} | {mine['median'] * 1e6:.0f} | "
                              f"{torch_row['median'] * 1e6:.0f} | "
                              f"{mine['median'] / torch_row['median']:.2f} | {mine['kernels']} |")
+    return "\n".join(lines) + "\n"
+
+
+def ops_table(ops: dict) -> str:
+    """One ``ops.non_finite_check_and_unscale_`` call's host time, with the plans the ops
+    keep between calls and without (``_ops_host_cost.py``), each its own test of one session."""
+    lines = ["| grads | grads between calls | plans kept us | plans not kept us | kept / not kept |",
+             "|---|---|---|---|---|"]
+    for (n, grads), by_kept in sorted(ops.items()):
+        kept, not_kept = by_kept.get(True), by_kept.get(False)
+        if kept and not_kept:
+            lines.append(f"| {n} | {grads} | {kept * 1e6:.0f} | {not_kept * 1e6:.0f} | "
+                         f"{kept / not_kept:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -149,11 +166,14 @@ def main() -> None:
     parser.add_argument("json", type=Path)
     parser.add_argument("--label", required=True)
     args = parser.parse_args()
-    rows, host, machine = load(args.json)
+    rows, host, ops, _ = load(args.json)
     out = args.json.parent
     text = tables(rows)
     if host:
         text += "\nHost time per step, no-op launches (test_bench_host.py):\n\n" + host_table(host)
+    if ops:
+        text += ("\nHost time of one ops.non_finite_check_and_unscale_ call, no-op launches "
+                 "(test_bench_host.py):\n\n" + ops_table(ops))
     (out / f"{args.label}_tables.md").write_text(text)
     for path in plots(rows, out, args.label):
         print(path)

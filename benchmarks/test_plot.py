@@ -6,7 +6,7 @@ import importlib.util
 import json
 
 import pytest
-from plot import host_table, load, plots, tables
+from plot import host_table, load, ops_table, plots, tables
 
 
 def _bench(median: float, **info) -> dict:
@@ -23,19 +23,25 @@ def _suite(path) -> None:
         _bench(70e-6, impl="torch, plain, grads same", host_layout="heap", **host),
         _bench(35e-6, impl="ours, plain, grads same", host_layout="heap", **host),
         _bench(20e-6, impl="ours+buckets, plain", host_layout="dense", **host),
-        _bench(80e-6, impl="torch, plain, grads same", host_layout="dense", **host)]}))
+        _bench(80e-6, impl="torch, plain, grads same", host_layout="dense", **host),
+        _bench(30e-6, case="ops host", n_grads=100, grads="same_list", kept=True),
+        _bench(120e-6, case="ops host", n_grads=100, grads="same_list", kept=False),
+        _bench(90e-6, case="ops host", n_grads=100, grads="cycle12", kept=False)]}))
 
 
 def test_kernel_and_host_rows(tmp_path):
     path = tmp_path / "suite.json"
     _suite(path)
-    rows, host, _ = load(path)
+    rows, host, ops, _ = load(path)
     assert list(rows) == [("bucket", "fp32", 1, 1024, ""), ("many", "fp32", 4, 1024, "")]
     assert "| bucket | fp32 | 1 x 1024 | ours | 1.0 us | 8.2 | 2.00 |" in tables(rows)
     table = host_table(host)
     assert "| 100 | plain, grads same | heap | 35 | 70 | 0.50 | 2 |" in table
     assert "| 100 | plain, GradBuckets (torch: grads same) | dense | 20 | 80 | 0.25 | 2 |" in table
     assert len(table.splitlines()) == 4  # header, rule, the two pairs with both scalers
+    calls = ops_table(ops)  # the ops' call rows (the script stopped at the first one before)
+    assert "| 100 | same_list | 30 | 120 | 0.25 |" in calls
+    assert len(calls.splitlines()) == 3  # cycle12 has no kept row
 
 
 def test_plots_beside_host_rows(tmp_path):
@@ -43,6 +49,6 @@ def test_plots_beside_host_rows(tmp_path):
         pytest.skip("matplotlib not installed: the plots are drawn where it is")
     path = tmp_path / "suite.json"
     _suite(path)
-    rows, _, _ = load(path)
+    rows, *_ = load(path)
     assert [p.name for p in plots(rows, tmp_path, "t")] == ["t_bucket.png", "t_many.png",
                                                             "t_ratio.png"]
