@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from _bench_common import FULL
 from _host_cost import CASES, HOST_LAYOUTS, label, make_step
 from _host_stubs import noop_launches
@@ -92,3 +93,18 @@ def test_the_dtensor_host_cost_script_prints_its_table():
                           timeout=180, env={**os.environ, "MASTER_PORT": str(port)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert any(line.startswith("| 3 | ") for line in done.stdout.splitlines()), done.stdout
+
+
+def test_the_host_wait_script_prints_its_table(capsys):
+    """``_host_wait.py`` (a plain step's time in its one host read; RESULTS.md's GPU run 2)
+    runs with no-op launches on CPU and prints a row per case, the read's time among it."""
+    from _host_wait import CASES, main, timed_reads
+
+    main([10], "cpu", repeats=2)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 10 | ")]
+    assert [row.split(" | ")[1] for row in rows] == [name for name, _, _ in CASES]
+    with timed_reads() as spent:
+        torch.zeros(3).tolist()
+        torch.ones(()).item()
+    assert len(spent) == 2
+    assert torch.Tensor.tolist is torch._C.TensorBase.tolist  # put back on leaving
