@@ -3,9 +3,9 @@
 On a GPU the plain route's ``step`` reads the overflow flag on the host (torch's scaler does
 too, for optimizers that do not skip on the device): that read waits until the launched work
 is done, which is device time, not host work. This times ``scale -> unscale_ -> step ->
-update`` (``_host_cost.make_step``, optimizer steps stubbed) and, inside it, the time spent in
-the read (``torch.cuda.Event.synchronize``, ``Tensor.tolist`` and ``Tensor.item``), median
-microseconds of each over the steps:
+update`` (``_host_cost.make_step``, optimizer steps stubbed) and, inside it, each of the four
+calls and the read (``torch.cuda.Event.synchronize``, ``Tensor.tolist`` and ``Tensor.item``),
+median microseconds of each over the steps:
 
     python benchmarks/_host_wait.py --device cuda 10 1000 10000
 
@@ -31,67 +31,94 @@ CASES = [("ours, plain, GradBuckets", "ours", {"buckets": True}),
          ("ours, fused, GradBuckets", "ours", {"buckets": True, "fused": True})]
 
 
-@contextlib.contextmanager
-def timed_reads() -> Iterator[list[float]]:
-    """Seconds spent in host reads while inside, appended to the yielded list."""
-    spent: list[float] = []
-    patched = [(torch.Tensor, "tolist"), (torch.Tensor, "item"),
-               (torch.cuda.Event, "synchronize")]
-    originals = [getattr(owner, name) for owner, name in patched]
+#: what is timed inside a step: (label, [(owner, method name)])
+READS = [(torch.Tensor, "tolist"), (torch.Tensor, "item"), (torch.cuda.Event, "synchronize")]
 
-    def timing(original):
-        def read(*args, **kwargs):
+
+def _phases() -> list[tuple[str, list[tuple[type, str]]]]:
+    from triton_scaler import GradScaler
+
+    scalers = (GradScaler, torch.amp.GradScaler)
+    return [(name, [(cls, name) for cls in scalers if name in vars(cls)])
+            for name in ("scale", "unscale_", "step", "update")] + [("host read", READS)]
+
+
+@contextlib.contextmanager
+def timed_calls(phases: list[tuple[str, list[tuple[type, str]]]]) -> Iterator[dict]:
+    """Seconds spent in each phase's methods while inside, summed per label into the yielded
+    dict; a call inside another of the same label (ours calling torch's ``scale``) counts
+    once."""
+    spent: dict[str, float] = dict.fromkeys((label for label, _ in phases), 0.0)
+    active: set[str] = set()
+    patched = [(owner, name, label) for label, methods in phases for owner, name in methods]
+    originals = [getattr(owner, name) for owner, name, _ in patched]
+    own = [vars(owner).get(name) for owner, name, _ in patched]  # None: inherited
+
+    def timing(original, label):
+        def timed(*args, **kwargs):
+            if label in active:
+                return original(*args, **kwargs)
+            active.add(label)
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
-                spent.append(time.perf_counter() - start)
-        return read
+                spent[label] += time.perf_counter() - start
+                active.discard(label)
+        return timed
 
-    for (owner, name), original in zip(patched, originals):
-        setattr(owner, name, timing(original))
+    for (owner, name, label), original in zip(patched, originals):
+        setattr(owner, name, timing(original, label))
     try:
         yield spent
     finally:
-        for (owner, name), original in zip(patched, originals):
-            setattr(owner, name, original)
+        for (owner, name, _), original in zip(patched, own):
+            if original is None:
+                delattr(owner, name)  # inherited (Tensor.tolist is TensorBase's): again so
+            else:
+                setattr(owner, name, original)
 
 
-def measure(n_params: int, impl: str, flags: dict, device: str, repeats: int) -> tuple:
-    """(median step seconds, median seconds in host reads per step)."""
+def measure(n_params: int, impl: str, flags: dict, device: str, repeats: int) -> dict:
+    """Median seconds of the whole step and of each phase in it (``_phases``)."""
     prepare, step = make_step(impl, n_params, device=device, **flags)
     for _ in range(3):
         prepare()
         step()
-    steps, reads = [], []
+    phases = _phases()
+    times: dict[str, list[float]] = {"whole step": [], **{label: [] for label, _ in phases}}
     gc.collect()
     gc.disable()
     try:
-        with timed_reads() as spent:
+        with timed_calls(phases) as spent:
             for _ in range(repeats):
                 prepare()
                 if device == "cuda":
                     torch.cuda.synchronize()  # the step starts with an idle device
-                spent.clear()
+                for label in spent:
+                    spent[label] = 0.0
                 start = time.perf_counter()
                 step()
-                steps.append(time.perf_counter() - start)
-                reads.append(sum(spent))
+                times["whole step"].append(time.perf_counter() - start)
+                for label, seconds in spent.items():
+                    times[label].append(seconds)
     finally:
         gc.enable()
-    return statistics.median(steps), statistics.median(reads)
+    return {label: statistics.median(values) for label, values in times.items()}
 
 
 def main(sizes: list[int], device: str, repeats: int) -> None:
-    print(f"host us per step and in its host reads, device {device}, torch {torch.__version__}")
-    print("| params | case | step us | in host reads us | rest us |")
-    print("|---|---|---|---|---|")
+    labels = ["whole step"] + [label for label, _ in _phases()]
+    print(f"host us per step and in its parts (the host read is inside step), device {device}, "
+          f"torch {torch.__version__}, median of {repeats} steps")
+    print("| params | case | " + " | ".join(labels) + " |")
+    print("|---|---|" + "---|" * len(labels))
     with noop_launches() if device == "cpu" else contextlib.nullcontext():
         for n in sizes:
             for name, impl, flags in CASES:
-                step, reads = measure(n, impl, flags, device, repeats)
-                print(f"| {n} | {name} | {step * 1e6:.0f} | {reads * 1e6:.0f} | "
-                      f"{(step - reads) * 1e6:.0f} |", flush=True)
+                us = measure(n, impl, flags, device, repeats)
+                print(f"| {n} | {name} | " + " | ".join(f"{us[label] * 1e6:.0f}"
+                                                         for label in labels) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 #     launcher the kernel tests again through Triton's kernel[grid] (run_gpu.sh's second
 #             pass; the first runs with kernels.launcher.DIRECT, the default, on)
 #     bench   benchmarks/gpu_figures.py: the issue's figures (figures.json / figures.md)
-#     profile benchmarks/gpu_profile.py: device against wall time where a figure misses
+#     profile benchmarks/gpu_profile.py: device against wall time where a figure misses, and
+#             benchmarks/_host_wait.py: a step's host time by call, its host read apart
 #     suite   the pytest-benchmark suites at full sizes (suite.json, for benchmarks/plot.py)
 #     all     tests, launcher, bench, then profile (default); the suite only when asked for
 # Everything goes under OUT_DIR (default: $OUT when set, else benchmarks/results/gpu), with
@@ -84,6 +85,9 @@ if wants bench; then
 fi
 if wants profile; then
   run_part profile 60 python benchmarks/gpu_profile.py --out "$out"
+  # where a plain step's host time goes: its four calls and its one host read (issue 15)
+  run_part host_wait 90 python benchmarks/_host_wait.py --device cuda 10 1000 10000
+  grep "^|" "$out/host_wait.log" >> "$summary"
 fi
 if wants suite; then
   run_part suite 400 env TRITON_SCALER_BENCH_SIZES=full python -m pytest benchmarks -q \

@@ -95,16 +95,33 @@ def test_the_dtensor_host_cost_script_prints_its_table():
     assert any(line.startswith("| 3 | ") for line in done.stdout.splitlines()), done.stdout
 
 
-def test_the_host_wait_script_prints_its_table(capsys):
-    """``_host_wait.py`` (a plain step's time in its one host read; RESULTS.md's GPU run 2)
-    runs with no-op launches on CPU and prints a row per case, the read's time among it."""
-    from _host_wait import CASES, main, timed_reads
+def test_the_host_wait_script_prints_its_table(capsys, monkeypatch):
+    """``_host_wait.py`` (a plain step's time in its parts and its one host read; RESULTS.md's
+    GPU run 2) runs with no-op launches on CPU and prints a row per case; its timers count a
+    nested call of the same phase once and put every method back."""
+    import _host_wait
+    from _host_wait import CASES, READS, main, timed_calls
+
+    from triton_scaler import GradScaler
 
     main([10], "cpu", repeats=2)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 10 | ")]
     assert [row.split(" | ")[1] for row in rows] == [name for name, _, _ in CASES]
-    with timed_reads() as spent:
+    assert all(len(row.split(" | ")) == 8 for row in rows)  # params, case, whole, 4 calls, read
+
+    class Nested:
+        def call(self, depth: int) -> None:
+            if depth:
+                self.call(depth - 1)
+
+    before = [vars(owner).get(name) for owner, name in READS] + [vars(GradScaler)["unscale_"]]
+    clock = iter(range(1000))
+    with timed_calls([("read", READS), ("nested", [(Nested, "call")])]) as spent:
         torch.zeros(3).tolist()
         torch.ones(()).item()
-    assert len(spent) == 2
-    assert torch.Tensor.tolist is torch._C.TensorBase.tolist  # put back on leaving
+        monkeypatch.setattr(_host_wait.time, "perf_counter", lambda: next(clock))
+        Nested().call(3)  # one clock pair for the outer call: 1 tick; each inner would add
+        monkeypatch.undo()
+    assert spent["read"] > 0 and spent["nested"] == 1
+    assert [vars(owner).get(name) for owner, name in READS] + [vars(GradScaler)["unscale_"]] \
+        == before  # inherited ones (Tensor.tolist) inherited again
