@@ -34,6 +34,15 @@ def bool_flags(device: torch.device) -> torch.Tensor:
     return torch.tensor([0.0, 1.0], device=device)
 
 
+def overflow_flag(overflow: bool | torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """``overflow`` as the 0-d float32 flag on ``flags``' device (``flags``: :func:`bool_flags`):
+    a host bool picks one of ``flags`` (a view, no copy); a one-element tensor (any non-zero
+    value an overflow) is converted there. No host read."""
+    if isinstance(overflow, bool):
+        return flags[int(overflow)]
+    return torch.as_tensor(overflow, device=flags.device).to(torch.float32).reshape(())
+
+
 def fp32_value(value: float) -> float:
     """``value`` rounded to float32 (to nearest, ties to even), as a float32 tensor holds it;
     ``±inf`` past float32's range. Pure Python: no tensor, no host read."""

@@ -15,7 +15,7 @@ import torch
 from .. import ops
 from .._backend import Backend, check_backend
 from ..policy import ScalePolicy, as_bool, check_scale_value
-from ._common import bool_flags, default_device, fp32_value, grads_of
+from ._common import bool_flags, default_device, fp32_value, grads_of, overflow_flag
 
 _NAMES = {"growth_interval": "scale_window", "hysteresis": "delayed_shift"}
 
@@ -123,10 +123,7 @@ class DynamicLossScaler(LossScaler):
         return max(int(self._hysteresis.item()), 1)
 
     def update_scale(self, overflow: bool | torch.Tensor) -> None:
-        if isinstance(overflow, bool):  # DeepSpeed's optimizers pass a bool: no upload
-            found = self._bool_flags[int(overflow)]
-        else:
-            found = torch.as_tensor(overflow, device=self._device).to(torch.float32).reshape(())
+        found = overflow_flag(overflow, self._bool_flags)  # DeepSpeed passes a bool: no upload
         # a host read, as DeepSpeed's own check; not for a clean step known on the host
         if self.raise_error_at_min_scale and overflow is not False:
             backs_off = (found != 0) & ((self._hysteresis <= 1) | (self.delayed_shift == 1))

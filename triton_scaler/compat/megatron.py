@@ -37,7 +37,7 @@ from ..policy import (
     as_real,
     check_scale_value,
 )
-from ._common import bool_flags, default_device, fp32_value
+from ._common import bool_flags, default_device, fp32_value, overflow_flag
 
 FoundInf = bool | torch.Tensor
 
@@ -63,15 +63,6 @@ def _checked_found_inf(found_inf: object) -> FoundInf:
         return found_inf
     raise TypeError("found_inf must be a bool or a one-element float or bool tensor (e.g. "
                     f"the optimizer's found_inf); got {type(found_inf).__name__} {found_inf!r}")
-
-
-def _found_inf_flag(found_inf: object, flags: torch.Tensor) -> torch.Tensor:
-    """The checked flag as a 0-d float32 tensor on ``flags``' device: a bool picks one of
-    ``flags`` (``[0.0, 1.0]``, made once: no copy per step); a tensor is converted there."""
-    flag = _checked_found_inf(found_inf)
-    if isinstance(flag, bool):
-        return flags[int(flag)]
-    return flag.to(device=flags.device, dtype=torch.float32).reshape(())
 
 
 class MegatronGradScaler(abc.ABC):
@@ -187,8 +178,8 @@ class DynamicGradScaler(MegatronGradScaler):
     def update(self, found_inf: FoundInf) -> None:
         """Megatron's update from ``found_inf`` (a bool, or a one-element tensor of which any
         non-zero value is an overflow), on the device. No host read for a tensor flag."""
-        ops.update_with_policy_(self._scale, self._growth_tracker,
-                                _found_inf_flag(found_inf, self._bool_flags), self._policy,
+        found = overflow_flag(_checked_found_inf(found_inf), self._bool_flags)
+        ops.update_with_policy_(self._scale, self._growth_tracker, found, self._policy,
                                 hysteresis_tracker=self._hysteresis_tracker,
                                 backend=self._backend)
 

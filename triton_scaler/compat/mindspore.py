@@ -18,7 +18,7 @@ from .. import ops, reference
 from .._backend import Backend, check_backend
 from ..grad_scaler import GradScaler
 from ..policy import INT32_MAX, ScalePolicy, as_bool, as_int, check_scale_value
-from ._common import bool_flags, default_device
+from ._common import bool_flags, default_device, overflow_flag
 
 TensorOrTuple = torch.Tensor | Sequence[torch.Tensor]
 
@@ -37,10 +37,10 @@ def _overflow_flag(grads_finite: object, flags: torch.Tensor) -> torch.Tensor:
     """The 0-d float32 overflow flag on ``flags``' device (:func:`bool_flags`) of MindSpore's
     ``grads_finite``: a bool or a one-element bool tensor, nothing else (``~1 == -2``)."""
     if isinstance(grads_finite, bool):
-        return flags[int(not grads_finite)]
+        return overflow_flag(not grads_finite, flags)
     if isinstance(grads_finite, torch.Tensor) and grads_finite.dtype == torch.bool \
             and grads_finite.numel() == 1:
-        return (~grads_finite.to(flags.device).reshape(())).to(torch.float32)
+        return overflow_flag(~grads_finite, flags)
     raise TypeError("grads_finite must be a bool or a one-element bool tensor (e.g. from "
                     f"all_finite); got {type(grads_finite).__name__} {grads_finite!r}")
 
