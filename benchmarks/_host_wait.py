@@ -4,8 +4,9 @@ On a GPU the plain route's ``step`` reads the overflow flag on the host (torch's
 too, for optimizers that do not skip on the device): that read waits until the launched work
 is done, which is device time, not host work. This times ``scale -> unscale_ -> step ->
 update`` (``_host_cost.make_step``, optimizer steps stubbed) and, inside it, each of the four
-calls and the read (``torch.cuda.Event.synchronize``, ``Tensor.tolist`` and ``Tensor.item``),
-median microseconds of each over the steps:
+calls, three parts of ours (the grads' grouping, the unscale launches, the start of the
+flag's copy to the host) and the read (``torch.cuda.Event.synchronize``, ``Tensor.tolist``
+and ``Tensor.item``), median microseconds of each over the steps:
 
     python benchmarks/_host_wait.py --device cuda 10 1000 10000
 
@@ -31,16 +32,22 @@ CASES = [("ours, plain, GradBuckets", "ours", {"buckets": True}),
          ("ours, fused, GradBuckets", "ours", {"buckets": True, "fused": True})]
 
 
-#: what is timed inside a step: (label, [(owner, method name)])
+#: the host reads timed inside a step: (owner, method name)
 READS = [(torch.Tensor, "tolist"), (torch.Tensor, "item"), (torch.cuda.Event, "synchronize")]
 
 
-def _phases() -> list[tuple[str, list[tuple[type, str]]]]:
-    from triton_scaler import GradScaler
+def _phases() -> list[tuple[str, list[tuple[object, str]]]]:
+    """The four calls, then what runs inside ours: grouping the grads and the launches of
+    ``unscale_``, the start of the flag's copy to the host, and the host read."""
+    from triton_scaler import GradScaler, _step, grad_scaler, ops
 
     scalers = (GradScaler, torch.amp.GradScaler)
     return [(name, [(cls, name) for cls in scalers if name in vars(cls)])
-            for name in ("scale", "unscale_", "step", "update")] + [("host read", READS)]
+            for name in ("scale", "unscale_", "step", "update")] + [
+        ("grad groups", [(grad_scaler, "grad_groups")]),
+        ("unscale launches", [(ops, "unscale_group_")]),
+        ("host copy start", [(_step, "copy_to_host_async")]),
+        ("host read", READS)]
 
 
 @contextlib.contextmanager

@@ -6,8 +6,9 @@
 #     launcher the kernel tests again through Triton's kernel[grid] (run_gpu.sh's second
 #             pass; the first runs with kernels.launcher.DIRECT, the default, on)
 #     bench   benchmarks/gpu_figures.py: the issue's figures (figures.json / figures.md)
-#     profile benchmarks/gpu_profile.py: device against wall time where a figure misses, and
-#             benchmarks/_host_wait.py: a step's host time by call, its host read apart
+#     profile benchmarks/gpu_profile.py: device against wall time where a figure misses,
+#             benchmarks/_host_wait.py: a step's host time by call, its host read apart, and
+#             benchmarks/_step_timeline.py: one step's ops, CUDA calls and kernels
 #     suite   the pytest-benchmark suites at full sizes (suite.json, for benchmarks/plot.py)
 #     all     tests, launcher, bench, then profile (default); the suite only when asked for
 # Everything goes under OUT_DIR (default: $OUT when set, else benchmarks/results/gpu), with
@@ -88,6 +89,13 @@ if wants profile; then
   # where a plain step's host time goes: its four calls and its one host read (issue 15)
   run_part host_wait 90 python benchmarks/_host_wait.py --device cuda 10 1000 10000
   grep "^|" "$out/host_wait.log" >> "$summary"
+  # and inside one step, from torch.profiler: its ops, CUDA calls and kernels (issue 15's
+  # plain GradBuckets row at 10,000 parameters, against 10 and against the fused route)
+  run_part timeline 90 bash -c 'for run in "10000 plain" "10 plain" "10000 fused"; do
+      set -- $run
+      python benchmarks/_step_timeline.py --device cuda "$1" "ours, $2, GradBuckets" \
+        --min-us 2 || exit 1
+    done'
 fi
 if wants suite; then
   run_part suite 400 env TRITON_SCALER_BENCH_SIZES=full python -m pytest benchmarks -q \

@@ -100,14 +100,15 @@ def test_the_host_wait_script_prints_its_table(capsys, monkeypatch):
     GPU run 2) runs with no-op launches on CPU and prints a row per case; its timers count a
     nested call of the same phase once and put every method back."""
     import _host_wait
-    from _host_wait import CASES, READS, main, timed_calls
+    from _host_wait import CASES, READS, _phases, main, timed_calls
 
     from triton_scaler import GradScaler
 
     main([10], "cpu", repeats=2)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 10 | ")]
     assert [row.split(" | ")[1] for row in rows] == [name for name, _, _ in CASES]
-    assert all(len(row.split(" | ")) == 8 for row in rows)  # params, case, whole, 4 calls, read
+    # params, case, whole step, the 4 calls, 3 parts of ours, the read; then the row's end
+    assert len(_phases()) == 8 and all(len(row.split(" | ")) == 11 for row in rows)
 
     class Nested:
         def call(self, depth: int) -> None:
@@ -125,3 +126,20 @@ def test_the_host_wait_script_prints_its_table(capsys, monkeypatch):
     assert spent["read"] > 0 and spent["nested"] == 1
     assert [vars(owner).get(name) for owner, name in READS] + [vars(GradScaler)["unscale_"]] \
         == before  # inherited ones (Tensor.tolist) inherited again
+
+
+def test_the_step_timeline_script_prints_a_step(capsys):
+    """``_step_timeline.py`` (one step's host ops, runtime calls and kernels from
+    ``torch.profiler``, for the next GPU run: issue 15's plain GradBuckets row) runs with
+    no-op launches on CPU: the scale's multiply is in the step, and the stretches between
+    ops cover the rest of it."""
+    from _step_timeline import main
+
+    main(10, "ours, plain, GradBuckets", "cpu", steps=3, min_us=0.0)
+    out = capsys.readouterr().out
+    rows = [line.strip("| ").split(" | ") for line in out.splitlines()
+            if line.startswith("| ") and line[2].isdigit()]
+    assert any(row[3] == "aten::mul" for row in rows), out
+    assert any(row[3].startswith("(between ops") for row in rows), out
+    starts = [float(row[0]) for row in rows]
+    assert starts == sorted(starts) and starts[0] == 0.0
