@@ -9,9 +9,13 @@ launch by exactly what decides its specialisation, the current device and every 
 come again (a training loop's steady state: the same buckets, tables and state buffers) calls
 that compiled kernel's launcher itself, as ``JITFunction.run`` ends (triton 3.4 to 3.9):
 ``kernel.run(grid..., stream, kernel.function, kernel.packed_metadata, launch_metadata,
-enter_hook, exit_hook, *args)``. Triton's launch hooks still run; its ``pre_run_hooks`` do
-not, and knobs that change compilation (``knobs.runtime.debug``, instrumentation) are not
-watched: :func:`clear` after changing them. Any other launch goes through ``kernel[grid]``.
+enter_hook, exit_hook, *args)``, each tensor argument given as its address (already read
+for the key), which the compiled launcher takes as it is: no ``data_ptr`` call and no
+``cuPointerGetAttribute`` per tensor (read from triton 3.6's and 3.9's launchers; not yet
+timed on a GPU). Triton's launch hooks still run, their metadata made from the tensors;
+its ``pre_run_hooks`` do not, and knobs that change compilation (``knobs.runtime.debug``,
+instrumentation) are not watched: :func:`clear` after changing them. Any other launch goes
+through ``kernel[grid]``.
 
 On by default since the first GPU run (2026-11-26, H200, torch 2.11, triton 3.6.0): the
 kernel tests passed with it on (305 passed, none failed; then the whole GPU suite with it as
@@ -76,18 +80,20 @@ def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
     key = None
     if cache is not None:
         device = _current_device()
-        key = _key(device, tensors, scalars, constexprs)
+        addresses = tuple(map(_DATA_PTR, tensors))
+        key = _key(device, addresses, tensors, scalars, constexprs)
         compiled = recent(cache, key)
         if compiled is not None:
-            _run(compiled, grid, _current_stream(device),
-                 (*tensors, *scalars, *constexprs.values()))
+            _run(compiled, grid, _current_stream(device), tensors, addresses,
+                 (*scalars, *constexprs.values()))
             return
     compiled = kernel[(grid,)](*tensors, *scalars, **constexprs, **options)
     if _reusable(compiled):
         if cache is None:
             _check_order(kernel, len(tensors) + len(scalars), constexprs)
             cache = _compiled[kernel] = OrderedDict()
-            key = _key(_current_device(), tensors, scalars, constexprs)
+            key = _key(_current_device(), tuple(map(_DATA_PTR, tensors)), tensors, scalars,
+                       constexprs)
         remember(cache, key, compiled, _CAPACITY)
 
 
@@ -102,11 +108,12 @@ _DATA_PTR = torch.Tensor.data_ptr
 _DTYPE = operator.attrgetter("dtype")
 
 
-def _key(device: int, tensors: tuple, scalars: tuple, constexprs: dict) -> tuple:
-    """All that decides a launch's specialisation: the device, each tensor's address and
-    dtype, every other argument as it is (C-level passes: ~1.5 us for seven tensors)."""
-    return (device, *scalars, *constexprs.values(), *map(_DATA_PTR, tensors),
-            *map(_DTYPE, tensors))
+def _key(device: int, addresses: tuple[int, ...], tensors: tuple, scalars: tuple,
+         constexprs: dict) -> tuple:
+    """All that decides a launch's specialisation: the device, each tensor's address
+    (``addresses``) and dtype, every other argument as it is (C-level passes: ~1.5 us for
+    seven tensors)."""
+    return (device, *scalars, *constexprs.values(), *addresses, *map(_DTYPE, tensors))
 
 
 def _current_device() -> int:
@@ -126,12 +133,18 @@ def _check_order(kernel, n_args: int, constexprs: dict) -> None:
                          f"{n_args}, in its order: {rest}; got {tuple(constexprs)}")
 
 
-def _run(compiled, grid: int, stream, values: tuple) -> None:
-    """What ``JITFunction.run`` does once it has its compiled kernel (triton 3.4 to 3.9)."""
+def _run(compiled, grid: int, stream, tensors: tuple, addresses: tuple[int, ...],
+         rest: tuple) -> None:
+    """What ``JITFunction.run`` does once it has its compiled kernel (triton 3.4 to 3.9),
+    with each tensor argument passed to the compiled launcher as its address (``addresses``,
+    read for the key): for an int pointer argument the launcher neither calls ``data_ptr``
+    nor asks the driver about the pointer (``cuPointerGetAttribute``), one Python call and
+    one driver call fewer per tensor. The launch hooks' metadata is made from the tensors,
+    as Triton makes it (``rest``: the other arguments, in the kernel's order)."""
     hooks = knobs.runtime
     compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata((grid,), stream, *values),
-                 hooks.launch_enter_hook, hooks.launch_exit_hook, *values)
+                 compiled.launch_metadata((grid,), stream, *tensors, *rest),
+                 hooks.launch_enter_hook, hooks.launch_exit_hook, *addresses, *rest)
 
 
 def clear() -> None:

@@ -19,7 +19,7 @@ class _Compiled:
         self.runs = runs
 
     def launch_metadata(self, grid, stream, *values):
-        return ("metadata", grid, stream)
+        return ("metadata", grid, stream, values)
 
     def run(self, *args):
         self.runs.append(args)
@@ -59,6 +59,9 @@ def _launch(kernel, x, n=5, flag=True):
 
 
 def test_a_repeated_launch_calls_the_compiled_launcher(direct):
+    """... with each tensor as its address (the launcher takes an int pointer as it is: no
+    ``data_ptr`` call, no driver query), and the launch hooks' metadata made from the tensors
+    themselves, as Triton's ``run`` makes it."""
     kernel, x = _Kernel(), torch.zeros(8)
     _launch(kernel, x)
     assert kernel.launches == [((3,), (x, 5), {"FLAG": True, "BLOCK": 64, "num_warps": 4})]
@@ -66,9 +69,9 @@ def test_a_repeated_launch_calls_the_compiled_launcher(direct):
     _launch(kernel, x)
     assert len(kernel.launches) == 1
     hooks = launcher.knobs.runtime
-    expected = (3, 1, 1, 1234, "function", "packed", ("metadata", (3,), 1234),
-                hooks.launch_enter_hook, hooks.launch_exit_hook, x, 5, True, 64)
-    assert len(kernel.runs) == 2
+    expected = (3, 1, 1, 1234, "function", "packed", ("metadata", (3,), 1234, (x, 5, True, 64)),
+                hooks.launch_enter_hook, hooks.launch_exit_hook, x.data_ptr(), 5, True, 64)
+    assert len(kernel.runs) == 2 and all(type(run[9]) is int for run in kernel.runs)
     assert all(len(run) == len(expected) and all(a is b or a == b for a, b in zip(run, expected))
                for run in kernel.runs)
 
