@@ -93,6 +93,29 @@ def test_the_launcher_is_called_as_tritons_own_run_calls_it():
             "*bound_args.values())") in source
 
 
+def test_the_compiled_launcher_takes_an_int_pointer_as_it_is():
+    """The direct call passes each tensor as its address: the installed triton's CUDA
+    launcher (its C source: generated in triton 3.6's ``driver.py``, ``driver.c`` in 3.9)
+    takes an int pointer argument as it is, before any ``data_ptr`` call or driver query.
+    A triton that changes that fails here, not on a GPU."""
+    import re
+    from pathlib import Path
+
+    import triton
+
+    nvidia = Path(triton.__file__).parent / "backends" / "nvidia"
+    sources = [path.read_text() for path in (nvidia / "driver.c", nvidia / "driver.py")
+               if path.exists()]
+    bodies = [match.group(1) for source in sources for match in re.finditer(
+        r"(?:getPointer|extractPointer)\((?:void \*ptr, )?PyObject \*obj[^)]*\)\s*\{+(.*?)"
+        r"cuPointerGetAttribute", source, re.S)]
+    assert bodies, "no pointer extraction found in triton's CUDA launcher"
+    for body in bodies:
+        before_data_ptr = body.split("data_ptr")[0]
+        assert re.search(r"if \(PyLong_Check\(obj\)\) \{+[^}]*PyLong_AsUnsignedLongLong\(obj\)"
+                         r";\s*return", before_data_ptr), body[:400]
+
+
 @pytest.mark.parametrize("change", ["address", "dtype", "int", "constexpr", "device"])
 def test_any_other_launch_goes_through_triton(direct, monkeypatch, change):
     kernel, x = _Kernel(), torch.zeros(8)
