@@ -9,13 +9,14 @@ launch by exactly what decides its specialisation, the current device and every 
 come again (a training loop's steady state: the same buckets, tables and state buffers) calls
 that compiled kernel's launcher itself, as ``JITFunction.run`` ends (triton 3.4 to 3.9):
 ``kernel.run(grid..., stream, kernel.function, kernel.packed_metadata, launch_metadata,
-enter_hook, exit_hook, *args)``, each tensor argument given as its address (already read
-for the key), which the compiled launcher takes as it is: no ``data_ptr`` call and no
+enter_hook, exit_hook, *args)``, but with each tensor argument given as its address (already
+read for the key), which the compiled launcher takes as it is: no ``data_ptr`` call and no
 ``cuPointerGetAttribute`` per tensor (read from triton 3.6's and 3.9's launchers; not yet
-timed on a GPU). Triton's launch hooks still run, their metadata made from the tensors;
-its ``pre_run_hooks`` do not, and knobs that change compilation (``knobs.runtime.debug``,
-instrumentation) are not watched: :func:`clear` after changing them. Any other launch goes
-through ``kernel[grid]``.
+timed on a GPU); and the launch hooks and their metadata (made from the tensors, as Triton
+makes it) passed only when a hook is set, not Triton's empty hook chains and a dict per
+launch. Triton's ``pre_run_hooks`` do not run, and knobs that change compilation
+(``knobs.runtime.debug``, instrumentation) are not watched: :func:`clear` after changing
+them. Any other launch goes through ``kernel[grid]``.
 
 On by default since the first GPU run (2026-11-26, H200, torch 2.11, triton 3.6.0): the
 kernel tests passed with it on (305 passed, none failed; then the whole GPU suite with it as
@@ -139,12 +140,25 @@ def _run(compiled, grid: int, stream, tensors: tuple, addresses: tuple[int, ...]
     with each tensor argument passed to the compiled launcher as its address (``addresses``,
     read for the key): for an int pointer argument the launcher neither calls ``data_ptr``
     nor asks the driver about the pointer (``cuPointerGetAttribute``), one Python call and
-    one driver call fewer per tensor. The launch hooks' metadata is made from the tensors,
-    as Triton makes it (``rest``: the other arguments, in the kernel's order)."""
+    one driver call fewer per tensor. Launch hooks (``knobs.runtime.launch_enter_hook`` /
+    ``launch_exit_hook``, e.g. a profiler's) are passed, with metadata made from the tensors
+    as Triton makes it, only when one is set: with none the launcher has nothing to call
+    (``rest``: the other arguments, in the kernel's order)."""
     hooks = knobs.runtime
-    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata((grid,), stream, *tensors, *rest),
-                 hooks.launch_enter_hook, hooks.launch_exit_hook, *addresses, *rest)
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    if _no_hook(enter) and _no_hook(leave):  # the launcher then calls none, and no metadata
+        metadata = enter = leave = None
+    else:
+        metadata = compiled.launch_metadata((grid,), stream, *tensors, *rest)
+    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, metadata,
+                 enter, leave, *addresses, *rest)
+
+
+def _no_hook(hook) -> bool:
+    """A launch hook that does nothing: None, or an empty ``HookChain`` (triton 3.6 and 3.9's
+    default), which Triton's own ``run`` still hands the launcher to call, with metadata made
+    for it (a dict per launch)."""
+    return hook is None or getattr(hook, "calls", None) == []
 
 
 def clear() -> None:

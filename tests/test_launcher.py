@@ -58,10 +58,26 @@ def _launch(kernel, x, n=5, flag=True):
     launcher.launch(kernel, 3, (x,), (n,), {"FLAG": flag, "BLOCK": 64}, {"num_warps": 4})
 
 
-def test_a_repeated_launch_calls_the_compiled_launcher(direct):
+def _set_launch_hook(monkeypatch, hook) -> None:
+    """``hook`` as triton's launch enter hook: added to its ``HookChain`` (triton 3.6, 3.9),
+    else set."""
+    hooks = launcher.knobs.runtime
+    chain = hooks.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        monkeypatch.setattr(chain, "calls", [hook])  # the chain as it was, after the test
+    else:
+        monkeypatch.setattr(hooks, "launch_enter_hook", hook)
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["no_hook", "hook_set"])
+def test_a_repeated_launch_calls_the_compiled_launcher(direct, monkeypatch, hooked):
     """... with each tensor as its address (the launcher takes an int pointer as it is: no
-    ``data_ptr`` call, no driver query), and the launch hooks' metadata made from the tensors
-    themselves, as Triton's ``run`` makes it."""
+    ``data_ptr`` call, no driver query). With a launch hook set (a profiler's), the hooks and
+    their metadata made from the tensors themselves, as Triton's ``run`` passes them; with
+    none (the default: empty hook chains), no hook and no metadata."""
+    if hooked:
+        _set_launch_hook(monkeypatch, lambda metadata: None)
     kernel, x = _Kernel(), torch.zeros(8)
     _launch(kernel, x)
     assert kernel.launches == [((3,), (x, 5), {"FLAG": True, "BLOCK": 64, "num_warps": 4})]
@@ -69,8 +85,9 @@ def test_a_repeated_launch_calls_the_compiled_launcher(direct):
     _launch(kernel, x)
     assert len(kernel.launches) == 1
     hooks = launcher.knobs.runtime
-    expected = (3, 1, 1, 1234, "function", "packed", ("metadata", (3,), 1234, (x, 5, True, 64)),
-                hooks.launch_enter_hook, hooks.launch_exit_hook, x.data_ptr(), 5, True, 64)
+    expected = (3, 1, 1, 1234, "function", "packed") + (
+        (("metadata", (3,), 1234, (x, 5, True, 64)), hooks.launch_enter_hook,
+         hooks.launch_exit_hook) if hooked else (None, None, None)) + (x.data_ptr(), 5, True, 64)
     assert len(kernel.runs) == 2 and all(type(run[9]) is int for run in kernel.runs)
     assert all(len(run) == len(expected) and all(a is b or a == b for a, b in zip(run, expected))
                for run in kernel.runs)
@@ -93,11 +110,12 @@ def test_the_launcher_is_called_as_tritons_own_run_calls_it():
             "*bound_args.values())") in source
 
 
-def test_the_compiled_launcher_takes_an_int_pointer_as_it_is():
-    """The direct call passes each tensor as its address: the installed triton's CUDA
-    launcher (its C source: generated in triton 3.6's ``driver.py``, ``driver.c`` in 3.9)
-    takes an int pointer argument as it is, before any ``data_ptr`` call or driver query.
-    A triton that changes that fails here, not on a GPU."""
+def test_the_compiled_launcher_takes_int_pointers_and_no_hooks():
+    """The direct call passes each tensor as its address, and None for unset launch hooks:
+    the installed triton's CUDA launcher (its C source: generated in triton 3.6's
+    ``driver.py``, ``driver.c`` in 3.9) takes an int pointer argument as it is, before any
+    ``data_ptr`` call or driver query, and calls a hook only when it is not None. A triton
+    that changes either fails here, not on a GPU."""
     import re
     from pathlib import Path
 
@@ -114,6 +132,9 @@ def test_the_compiled_launcher_takes_an_int_pointer_as_it_is():
         before_data_ptr = body.split("data_ptr")[0]
         assert re.search(r"if \(PyLong_Check\(obj\)\) \{+[^}]*PyLong_AsUnsignedLongLong\(obj\)"
                          r";\s*return", before_data_ptr), body[:400]
+    calls = [re.findall(r"if\s*\(\s*(\w*hook) != Py_None\s*\)\s*\{+\s*PyObject\s*\*\s*ret = "
+                        r"PyObject_CallOneArg\(\1,", source) for source in sources]
+    assert any(calls), "no launch hook call found in triton's CUDA launcher"
 
 
 @pytest.mark.parametrize("change", ["address", "dtype", "int", "constexpr", "device"])
