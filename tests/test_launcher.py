@@ -59,13 +59,13 @@ def _launch(kernel, x, n=5, flag=True):
 
 
 def _set_launch_hook(monkeypatch, hook) -> None:
-    """``hook`` as triton's launch enter hook: added to its ``HookChain`` (triton 3.6, 3.9),
-    else set."""
+    """``hook`` as triton's launch enter hook for one test: its ``HookChain``'s calls
+    (triton 3.6, 3.9) replaced by a new list (the chain's own list is left as it is, so no
+    hook stays behind for later launches), else the hook set."""
     hooks = launcher.knobs.runtime
     chain = hooks.launch_enter_hook
-    if hasattr(chain, "add"):
-        chain.add(hook)
-        monkeypatch.setattr(chain, "calls", [hook])  # the chain as it was, after the test
+    if hasattr(chain, "calls"):
+        monkeypatch.setattr(chain, "calls", [hook])
     else:
         monkeypatch.setattr(hooks, "launch_enter_hook", hook)
 
