@@ -4,8 +4,9 @@ the caches of launch plans and chunk tables that every caller shares (``kernels.
 equal torch's.
 
 A lookup in such a cache reads an entry, then moves it to the cache's end; another thread
-may evict it in between (its own launch filled the cache). ``_EvictedOnRead`` makes that
-happen at every lookup, so the tests below see it every time (before, a ``KeyError``).
+may evict it in between (its own launch filled the cache). ``_EvictedOnRead`` (a dict
+cache) and ``_EmptiedAfterCopy`` (a list cache, keyed by addresses) make that happen at every
+lookup, so the tests below see it every time (before, a ``KeyError``).
 The threaded tests force a thread switch every microsecond. Triton's interpreter is not
 thread-safe (it patches ``triton.language`` while a kernel runs): on CPU the interpreter's
 kernel runs are serialised by a lock, and the host work around them, where the caches are
@@ -27,7 +28,7 @@ from triton_scaler.kernels import launcher
 
 import triton_scaler
 from triton_scaler import _ops_plans, ops
-from triton_scaler._lru import recent, remember
+from triton_scaler._lru import forget, newest_equal, recent, remember, store_newest
 
 
 class _EvictedOnRead(OrderedDict):
@@ -36,6 +37,16 @@ class _EvictedOnRead(OrderedDict):
     def get(self, key, default=None):
         value = super().get(key, default)
         self.pop(key, None)
+        return value
+
+
+class _EmptiedAfterCopy(list):
+    """A list cache that another thread empties right after this thread has copied it."""
+
+    def __getitem__(self, index):
+        value = super().__getitem__(index)
+        if isinstance(index, slice):
+            self.clear()
         return value
 
 
@@ -55,6 +66,32 @@ def test_remember_keeps_the_newest_entries_and_moves_a_stored_key_to_the_end():
     assert list(cache.items()) == [("c", "C"), ("d", "D"), ("b", "B2")]
     assert recent(cache, "c") == "C"
     assert list(cache) == ["d", "b", "c"]
+
+
+def test_newest_equal_returns_an_entry_evicted_after_its_read():
+    cache = _EmptiedAfterCopy([((1, 2), "a"), ((3, 4), "b")])
+    assert newest_equal(cache, (3, 4)) == "b"  # the newest: no move
+    assert cache == []
+    cache.extend([((1, 2), "a"), ((3, 4), "b")])
+    assert newest_equal(cache, (1, 2)) == "a"  # moved to the end: the copy written back
+    assert cache == [((3, 4), "b"), ((1, 2), "a")]
+
+
+def test_address_keyed_caches_compare_keys_and_never_hash_them():
+    cache = []  # list keys are unhashable: a hash would raise
+    for key in ([1, 2], [1, 3], [2, 2], [3, 3]):
+        store_newest(cache, key, str(key), 3)
+    assert [k for k, _ in cache] == [[1, 3], [2, 2], [3, 3]]  # the oldest dropped
+    assert newest_equal(cache, [1, 3]) == "[1, 3]"  # equal, not the same object
+    assert [k for k, _ in cache] == [[2, 2], [3, 3], [1, 3]]  # made the newest
+    assert newest_equal(cache, [1, 2]) is None
+    assert store_newest(cache, [2, 2], "again", 3) == "again"  # an equal key replaced
+    assert cache == [([3, 3], "[3, 3]"), ([1, 3], "[1, 3]"), ([2, 2], "again")]
+    forget(cache, [3, 3])
+    forget(cache, [9])
+    assert [k for k, _ in cache] == [[1, 3], [2, 2]]
+    store_newest(cache, [4], "kept by none", 0)  # capacity 0: nothing kept
+    assert cache == []
 
 
 def test_a_chunk_table_evicted_between_lookup_and_use(monkeypatch, triton_device):
@@ -79,7 +116,7 @@ def test_kept_ops_plans_evicted_between_lookup_and_launch(monkeypatch, triton_de
     _ops_plans.clear()
     for _ in range(2):  # the second call at these addresses stores the guard
         ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")
-    monkeypatch.setattr(_ops_plans, "_stored", _EvictedOnRead(_ops_plans._stored))
+    monkeypatch.setattr(_ops_plans, "_stored", _EmptiedAfterCopy(_ops_plans._stored))
     ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")  # kept, evicted
     ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")  # planned anew
     expected = [torch.full((n,), scale, device=triton_device) for n in (3, 17, 4100)]

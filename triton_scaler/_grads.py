@@ -8,14 +8,15 @@ every grad; otherwise one C-level pass reading the grads, one reading their addr
 C++ call checking the rest (torch's own tensor guard), then the last step's launch plans (no
 hashing, no table).
 Grads back at the addresses of one of the last few steps (an allocator whose blocks cycle)
-add one hash of the addresses.
+add a comparison of their addresses with those steps' (no hash: a comparison with other
+addresses stops at the first that differs).
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
@@ -24,7 +25,7 @@ from torch.amp.grad_scaler import _MultiDeviceReplicator
 
 from ._backend import resolve_backend, triton_kernels
 from ._distributed import local_grad
-from ._lru import recent, remember
+from ._lru import forget, newest_equal, store_newest
 from ._op_args import FLOAT_DTYPES, check_grad_dtype
 from ._stored_plans import StoredPlans, tensor_guards
 from .buckets import buckets_of, param_lists, same_param_lists
@@ -99,10 +100,11 @@ class _Layout:
         self.plain_groups = [(device, dtype, _picker(indices, len(self.outside)))
                              for (device, dtype), indices in by_key.items()]
         self.has_fp16 = any(dtype == torch.float16 for _, dtype in by_key)
-        # the grads' addresses -> their launch plans, for the last address layouts where
-        # every group had a reusable Triton plan; ``last`` is the newest (key, value),
-        # compared without hashing. No grad is held: zero_grad(set_to_none=True) frees them.
-        self.plans: OrderedDict[tuple[int, ...], StoredPlans] = OrderedDict()
+        # (the grads' addresses, their launch plans), oldest first, for the last address
+        # layouts where every group had a reusable Triton plan, found by comparing addresses,
+        # never hashing them; ``last`` is the newest. No grad is held:
+        # zero_grad(set_to_none=True) frees them.
+        self.plans: list[tuple[tuple[int, ...], StoredPlans]] = []
         self.last: tuple | None = None
 
     def is_current(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -208,8 +210,10 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
 
 def _earlier_plans(layout: _Layout, addresses: tuple[int, ...]) -> StoredPlans | None:
     """The stored plans of grads at ``addresses`` when they are not the last step's: one of
-    the last ``_PLAN_CACHE_SIZE`` layouts' through a hash of the addresses (then the last)."""
-    stored = recent(layout.plans, addresses)
+    the last ``_PLAN_CACHE_SIZE`` layouts', found by comparing their addresses with each
+    (no hash: a comparison with other addresses stops at the first that differs), then made
+    the last."""
+    stored = newest_equal(layout.plans, addresses)
     if stored is not None:
         layout.last = (addresses, stored)
     return stored
@@ -244,10 +248,10 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
             stored.guard = tensor_guards(grads)
             stored = stored if stored.guard is not None else None
     if stored is not None:
-        remember(layout.plans, addresses, stored, _PLAN_CACHE_SIZE)
+        store_newest(layout.plans, addresses, stored, _PLAN_CACHE_SIZE)
         layout.last = (addresses, stored)
     else:
-        layout.plans.pop(addresses, None)
+        forget(layout.plans, addresses)
         layout.last = None
     return groups
 

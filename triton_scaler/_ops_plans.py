@@ -6,22 +6,22 @@ at the same blocks), and the DeepSpeed / MindSpore adapters, which call the ops.
 A call whose grads lie at the addresses of one of the last ``_CAPACITY`` grad lists, laid out
 as those were (torch's ``TensorGuards``: each grad's type, dtype, device, shape and strides,
 one C++ call; see :mod:`._stored_plans`), launches that list's plans again: one pass over the
-grads' data pointers, their hash and that check, where a call without stored plans also
-passes over their dtypes, devices, layouts, sizes and contiguity, groups them and plans each
-launch (no-op launches on CPU, same list each call: 231 against 656 us at 1,000 grads,
-``benchmarks/RESULTS.md``). The guard is built from grads that passed every check, at the
-second call at those addresses; a one-off list pays nothing for it. Holds no grad.
+grads' data pointers, their comparison with the stored lists' (no hash) and that check,
+where a call without stored plans also passes over their dtypes, devices, layouts, sizes and
+contiguity, groups them and plans each launch (no-op launches on CPU, same list each call:
+231 against 656 us at 1,000 grads, ``benchmarks/RESULTS.md``). The guard is built from grads
+that passed every check, at the second call at those addresses; a one-off list pays nothing
+for it. Holds no grad.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 import torch
 
 from ._backend import triton_kernels
-from ._lru import recent, remember
+from ._lru import forget, newest_equal, store_newest
 from ._stored_plans import tensor_guards
 
 _CAPACITY = 8  # grad lists remembered (a loop has one or a few: per model, per optimizer)
@@ -39,7 +39,8 @@ class _StoredLaunches:
         self.launches, self.guard = launches, guard
 
 
-_stored: OrderedDict[tuple, _StoredLaunches] = OrderedDict()
+#: ((device, the grads' addresses), their launches), oldest first
+_stored: list[tuple[tuple, _StoredLaunches]] = []
 
 
 def unscale_planned(grads: list[torch.Tensor], found_inf: torch.Tensor,
@@ -54,7 +55,7 @@ def unscale_planned(grads: list[torch.Tensor], found_inf: torch.Tensor,
         key = (found_inf.device, tuple(map(_DATA_PTR, grads)))
     except (TypeError, RuntimeError):  # a grad without a data pointer (sparse): checked below
         key = None
-    stored = recent(_stored, key) if key is not None else None
+    stored = newest_equal(_stored, key) if key is not None else None
     if stored is not None and stored.guard is not None and stored.guard.check(*grads):
         for index, template in stored.launches:
             kernels.launch_unscale(template.rebased(grads[index]), found_inf, inv_scale,
@@ -91,9 +92,9 @@ def _store(key: tuple, launches: list, grads: list[torch.Tensor], seen: bool) ->
     call there on (``seen``), over ``grads``, which the caller has checked."""
     guard = tensor_guards(grads) if seen else None
     if seen and guard is None:  # a torch without TensorGuards: nothing to check reuse with
-        _stored.pop(key, None)
+        forget(_stored, key)
         return
-    remember(_stored, key, _StoredLaunches(launches, guard), _CAPACITY)
+    store_newest(_stored, key, _StoredLaunches(launches, guard), _CAPACITY)
 
 
 def clear() -> None:
