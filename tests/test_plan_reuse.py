@@ -4,6 +4,8 @@ or resized in place (also with new grads at the old grads' addresses), grads cyc
 memory layouts, empty grads first, grads assigned as views with gaps. Each run against
 torch's scaler (which reads every ``.grad`` each step)."""
 
+import gc
+import weakref
 from collections import Counter
 
 import pytest
@@ -63,8 +65,9 @@ def _train_swapping(scaler, steps=6, swap_at=2, overflow=((4, 1),), buckets=Fals
 
 @pytest.mark.parametrize("buckets", [False, True])
 def test_parameter_replaced_in_place_in_param_groups(backend, buckets):
-    """The cached layout is checked against the optimizer's live parameter objects: a
-    parameter swapped into the same list is unscaled and checked (its NaN skips the step).
+    """Without buckets each step reads the grads of the optimizer's own list; with buckets the
+    cached layout is checked against its live parameter objects: either way a parameter
+    swapped into the same list is unscaled and checked (its NaN skips the step).
     With buckets: the swapped-out parameter receives no grad, so the per-parameter path runs
     over the live parameters."""
     kwargs = dict(init_scale=2.0**8, growth_interval=2)
@@ -72,6 +75,72 @@ def test_parameter_replaced_in_place_in_param_groups(backend, buckets):
     actual = _train_swapping(GradScaler("cpu", **kwargs, backend=backend), buckets=buckets)
     assert actual[0] == expected[0]
     assert_all_same(actual[1], expected[1])
+
+
+def _train_swapping_into_the_same_memory(scaler, steps=6, swap_at=2):
+    """SGD over three parameters whose grads are the same three buffers every step; the
+    middle parameter is swapped, in the optimizer's list, for a new one of its shape at
+    ``swap_at``, whose grad is then the same buffer: the grads' addresses, dtypes, shapes and
+    strides are those the stored plans were made for. NaN at the first element of the new
+    parameter's grad, -inf at the last element of the last grad."""
+    torch.manual_seed(0)
+    memory = [torch.zeros(n) for n in (5, 9, 3)]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.randn(n)) for n in (5, 9, 3)], lr=0.1,
+                          momentum=0.9)
+    live = opt.param_groups[0]["params"]
+    for step in range(steps):
+        if step == swap_at:
+            live[1].grad = None  # the buffer is the new parameter's grad only
+            live[1] = torch.nn.Parameter(torch.randn(9))
+        for p, m in zip(live, memory):
+            p.grad = m.zero_()
+        scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(live))).backward()
+        if step == 3:
+            live[1].grad[0] = float("nan")
+        if step == 4:
+            live[2].grad[-1] = -float("inf")
+        scaler.step(opt)
+        scaler.update()
+    return scaler.get_scale(), [p.detach().clone() for p in live] + memory
+
+
+def test_parameter_swapped_in_with_its_grad_in_the_old_grads_memory(backend, monkeypatch):
+    """The layout keeps no parameter: each step reads the grads of the optimizer's own list,
+    so the swapped-in parameter's grad is the one unscaled and checked, through the plans
+    stored for that memory (Triton: planned at the first step only)."""
+    built = Counter()
+
+    def counted(*args, build=kernels.plan_unscale):
+        built["plans"] += 1
+        return build(*args)
+
+    monkeypatch.setattr(kernels, "plan_unscale", counted)  # torch's scaler plans nothing
+    _assert_matches_torch(_train_swapping_into_the_same_memory, backend, init_scale=2.0**8,
+                          growth_interval=2)
+    assert built["plans"] == (1 if backend == "triton" else 0)
+
+
+@pytest.mark.parametrize("impl", ["torch", "ours"])
+def test_a_parameter_swapped_out_of_the_optimizer_is_freed(backend, impl):
+    """Without buckets the scaler holds no parameter (nor its grad): one swapped out of the
+    optimizer's list is freed as with torch's scaler."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = (torch.amp.GradScaler("cpu") if impl == "torch"
+              else GradScaler("cpu", backend=backend))
+    for step in range(3):
+        if step == 2:
+            gone = weakref.ref(params[1])
+            opt.param_groups[0]["params"][1] = torch.nn.Parameter(torch.randn(9))
+            opt.state.pop(params[1], None)
+            del params
+        live = opt.param_groups[0]["params"]
+        scaler.scale(sum(p.square().sum() for p in live)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    gc.collect()
+    assert gone() is None
 
 
 def _train_converting(scaler, steps=5, convert_at=2):

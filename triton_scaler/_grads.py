@@ -1,7 +1,10 @@
 """The gradients :class:`triton_scaler.GradScaler` works on, grouped as torch groups them.
 
 The grouping is cached per optimizer and checked, each step, against the optimizer's live
-parameter objects (one identity pass; none when GradBuckets hold every parameter). A step
+parameter lists (the same list objects, of the same lengths); an identity pass over the
+parameters only when GradBuckets hold some of them and not the others (without buckets each
+step reads the grads of the optimizer's own lists, so a parameter swapped into one is seen
+through its grad; GradBuckets fix their parameters when built). A step
 whose grads are those of the last step, or new grads at the same addresses and of the same
 types, dtypes, devices, shapes and strides, costs: nothing per parameter when GradBuckets hold
 every grad; otherwise one C-level pass reading the grads, one reading their addresses and one
@@ -85,19 +88,27 @@ class _Layout:
         # (the buffers live as long as the buckets)
         self.bucket_groups = [GradGroup(b.device, [b.buffer], (b.buffer.numel(),),
                                         padding=b.padding) for b in self.buckets]
-        self.params = list(_live_params(optimizer))
-        live = frozenset(map(id, self.params))
+        params = list(_live_params(optimizer))
+        live = frozenset(map(id, params))
         # a bucket holding a parameter the optimizer no longer has (replaced by a new list)
         # launches nothing: that grad must not count; its parameters go per tensor
         self.bucket_live = [b.param_ids <= live for b in self.buckets]
         in_buckets = frozenset().union(*(b.param_ids for b, ok in zip(self.buckets,
                                                                       self.bucket_live) if ok))
-        self.outside = [p for p in self.params if id(p) not in in_buckets]
+        outside = [p for p in params if id(p) not in in_buckets]
+        self.n_outside = len(outside)
+        # Without buckets no parameter is kept: each step reads the grads of the optimizer's
+        # own lists (the same lists, of the same lengths: ``signature``), so a parameter
+        # swapped into them is seen through its grad, whose address, dtype, device, shape
+        # and strides every step checks. With buckets, the parameters outside them, checked
+        # by identity (:meth:`is_current`).
+        self.params = params if self.buckets else None
+        self.outside = outside if self.buckets else None
         by_key: dict[tuple, list[int]] = defaultdict(list)
-        for i, p in enumerate(self.outside):
+        for i, p in enumerate(outside):
             by_key[p.device, p.dtype].append(i)
-        # (device, dtype, picks the group's items out of a list over ``outside``)
-        self.plain_groups = [(device, dtype, _picker(indices, len(self.outside)))
+        # (device, dtype, picks the group's items out of a list over the outside parameters)
+        self.plain_groups = [(device, dtype, _picker(indices, len(outside)))
                              for (device, dtype), indices in by_key.items()]
         self.has_fp16 = any(dtype == torch.float16 for _, dtype in by_key)
         # (the grads' addresses, their launch plans), oldest first, for the last address
@@ -109,10 +120,19 @@ class _Layout:
 
     def is_current(self, optimizer: torch.optim.Optimizer) -> bool:
         """The optimizer still holds these parameter objects. One C-level identity pass when
-        some parameters are outside gradient buckets; none otherwise (GradBuckets fixes its
-        parameters when built: rebuild the buckets after replacing a parameter)."""
-        return not self.outside or all(map(operator.is_, _live_params(optimizer),
-                                           self.params))
+        some parameters are outside gradient buckets and some in them; none otherwise
+        (without buckets the layout holds no parameter; GradBuckets fixes its parameters
+        when built: rebuild the buckets after replacing a parameter)."""
+        return self.params is None or not self.outside or all(
+            map(operator.is_, _live_params(optimizer), self.params))
+
+    def outside_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The parameters outside gradient buckets, in the optimizer's order: without
+        buckets the optimizer's own list (one group) or their concatenation (read only)."""
+        if self.outside is not None:
+            return self.outside
+        groups = optimizer.param_groups
+        return groups[0]["params"] if len(groups) == 1 else list(_live_params(optimizer))
 
 
 def _live_params(optimizer: torch.optim.Optimizer):
@@ -163,19 +183,21 @@ def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str
         outside = [p for p in _live_params(optimizer) if id(p) not in covered]
         groups, mesh_groups = _groups_slow(outside, allow_fp16, backend)
         return flat + groups, mesh_groups
-    if not layout.outside:
+    if not layout.n_outside:
         return flat, {}
+    params = layout.outside_params(optimizer)
     groups = None
     if allow_fp16 or not layout.has_fp16:
-        groups = _groups_fast(layout, backend)
+        groups = _groups_fast(layout, params, backend)
     if groups is None:  # also: fp16 grads may be there, which must raise as torch's
-        groups, mesh_groups = _groups_slow(layout.outside, allow_fp16, backend)
+        groups, mesh_groups = _groups_slow(params, allow_fp16, backend)
         return flat + groups, mesh_groups
     return flat + groups, {}
 
 
-def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
-    """The groups of ``layout.outside``'s grads with C-level passes only, or None (the
+def _groups_fast(layout: _Layout, params: list[torch.Tensor],
+                 backend: str) -> list[GradGroup] | None:
+    """The groups of ``params``' grads with C-level passes only, or None (the
     per-grad path) when a grad is None, sparse, not a plain tensor, or not of its parameter's
     dtype and device as the layout knows them.
 
@@ -185,9 +207,10 @@ def _groups_fast(layout: _Layout, backend: str) -> list[GradGroup] | None:
     and other dense grads too). Caught there: a parameter resized or converted in place
     (``param.data = ...``, ``module.half()``) whose new grad lands at its old grad's address,
     a grad assigned as a view with gaps (``p.grad = m[::2]``) or in another memory format at
-    the address and with the size of the grad before it; a grad on another device has
-    another address (each device has its own address range)."""
-    grads = list(map(_GRAD, layout.outside))
+    the address and with the size of the grad before it, a parameter swapped into the
+    optimizer's list (its grad is what is read); a grad on another device has another
+    address (each device has its own address range)."""
+    grads = list(map(_GRAD, params))
     try:
         addresses = tuple(map(_DATA_PTR, grads))
     except (TypeError, RuntimeError):  # a None grad (no data_ptr), a sparse one
