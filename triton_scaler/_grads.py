@@ -112,11 +112,10 @@ class _Layout:
                              for (device, dtype), indices in by_key.items()]
         self.has_fp16 = any(dtype == torch.float16 for _, dtype in by_key)
         # (the grads' addresses, their launch plans), oldest first, for the last address
-        # layouts where every group had a reusable Triton plan, found by comparing addresses,
-        # never hashing them; ``last`` is the newest. No grad is held:
+        # layouts where every group had a reusable Triton plan, found by comparing addresses
+        # (the newest first), never hashing them. No grad is held:
         # zero_grad(set_to_none=True) frees them.
         self.plans: list[tuple[tuple[int, ...], StoredPlans]] = []
-        self.last: tuple | None = None
 
     def is_current(self, optimizer: torch.optim.Optimizer) -> bool:
         """The optimizer still holds these parameter objects. One C-level identity pass when
@@ -215,9 +214,9 @@ def _groups_fast(layout: _Layout, params: list[torch.Tensor],
         addresses = tuple(map(_DATA_PTR, grads))
     except (TypeError, RuntimeError):  # a None grad (no data_ptr), a sparse one
         return None
-    last = layout.last  # the last step's layout: tuple comparisons, no hash
-    stored = last[1] if last is not None and last[0] == addresses else \
-        _earlier_plans(layout, addresses)
+    # the last step's layout first (one comparison), then the earlier ones: no hash; a
+    # comparison with other addresses stops at the first that differs
+    stored = newest_equal(layout.plans, addresses)
     if stored is not None and stored.backend == backend and stored.fit(grads):
         groups = []
         for (device, _, pick), template in zip(layout.plain_groups, stored.templates):
@@ -229,17 +228,6 @@ def _groups_fast(layout: _Layout, params: list[torch.Tensor],
         else:
             return groups
     return _groups_planned(layout, backend, grads, addresses)
-
-
-def _earlier_plans(layout: _Layout, addresses: tuple[int, ...]) -> StoredPlans | None:
-    """The stored plans of grads at ``addresses`` when they are not the last step's: one of
-    the last ``_PLAN_CACHE_SIZE`` layouts', found by comparing their addresses with each
-    (no hash: a comparison with other addresses stops at the first that differs), then made
-    the last."""
-    stored = newest_equal(layout.plans, addresses)
-    if stored is not None:
-        layout.last = (addresses, stored)
-    return stored
 
 
 def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
@@ -272,10 +260,8 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
             stored = stored if stored.guard is not None else None
     if stored is not None:
         store_newest(layout.plans, addresses, stored, _PLAN_CACHE_SIZE)
-        layout.last = (addresses, stored)
     else:
         forget(layout.plans, addresses)
-        layout.last = None
     return groups
 
 
