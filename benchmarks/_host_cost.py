@@ -84,25 +84,37 @@ def _as_conv_weights(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.view(-1, 3, 3, 4).permute(0, 3, 1, 2) for t in tensors]
 
 
+def param_sizes(n_params: int, numel: int = NUMEL, channels_last: bool = False) -> list[int]:
+    """The parameters' sizes, the same at every call: drawn from ``[numel // 2,
+    3 * numel // 2)`` (mostly odd); ``channels_last``: rounded down to multiples of 36 (conv
+    weights ``(k, 4, 3, 3)``), at least 36."""
+    if not isinstance(numel, int) or numel < 2:
+        raise ValueError(f"numel must be an int >= 2; got {numel!r}")
+    torch.manual_seed(0)
+    sizes = torch.randint(numel // 2, 3 * numel // 2, (n_params,)).tolist()
+    return [36 * max(1, n // 36) for n in sizes] if channels_last else sizes
+
+
 def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = False,
               grads: str = "same", device: str = "cpu", host_layout: str = "heap",
-              channels_last: bool = False):
+              channels_last: bool = False, numel: int = NUMEL):
     """(prepare, step): ``step()`` is the timed ``scale -> unscale_ -> step -> update``;
     ``prepare()`` (untimed) renews the grads as ``grads`` says. One real backward first
     writes every grad through autograd (GradBuckets' hooks fire); with ``host_layout="dense"``
     the grads outside buckets are then moved to one buffer (``HOST_LAYOUTS``).
     ``device="cuda"``: real launches (the GPU run of this benchmark). ``channels_last``: the
-    parameters and grads are channels_last conv weights of ~4k elements."""
+    parameters and grads are channels_last conv weights of ~4k elements. ``numel``: the
+    parameters' mean size (each drawn from ``[numel // 2, 3 * numel // 2)``; channels_last
+    rounds to multiples of 36): a small one makes a bucket's device work negligible (its
+    one kernel over ``n_params * numel`` elements is what a plain step's host read waits
+    for on a GPU)."""
     from triton_scaler import GradBuckets, GradScaler
 
     if host_layout == "dense" and device != "cpu":
         raise ValueError(f"host_layout='dense' is for CPU tensors; device={device!r} takes "
                          f"'heap'")
-    torch.manual_seed(0)
-    sizes = torch.randint(NUMEL // 2, 3 * NUMEL // 2, (n_params,)).tolist()  # ~4k, mostly odd
+    sizes = param_sizes(n_params, numel, channels_last)
     laid_out = _as_conv_weights if channels_last else list
-    if channels_last:
-        sizes = [36 * max(1, n // 36) for n in sizes]
     params = [torch.nn.Parameter(t) for t in laid_out(_tensors(sizes, host_layout, device))]
     opt = (NoStepFused if fused else NoStep)(params, lr=0.0)
     opt.step = no_step  # the instance's own: no torch wrapper (profiling hooks) around it

@@ -10,6 +10,9 @@ and ``Tensor.item``), median microseconds of each over the steps:
 
     python benchmarks/_host_wait.py --device cuda 10 1000 10000
 
+``--numel`` sets the parameters' mean size (4096 by default): the plain GradBuckets row's
+read waits for one kernel over every grad's bytes (at 10,000 parameters of ~4k float32
+elements, ~330 MB read and written), which a small size takes away, leaving the host work.
 On CPU (``--device cpu``, the default) the launches are no-ops (``_host_stubs.py``)."""
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from collections.abc import Iterator
 
 import torch
-from _host_cost import make_step
+from _host_cost import NUMEL, make_step
 from _host_stubs import noop_launches
 
 #: (row, scaler, make_step's flags)
@@ -86,9 +89,10 @@ def timed_calls(phases: list[tuple[str, list[tuple[type, str]]]]) -> Iterator[di
                 setattr(owner, name, original)
 
 
-def measure(n_params: int, impl: str, flags: dict, device: str, repeats: int) -> dict:
+def measure(n_params: int, impl: str, flags: dict, device: str, repeats: int,
+            numel: int = NUMEL) -> dict:
     """Median seconds of the whole step and of each phase in it (``_phases``)."""
-    prepare, step = make_step(impl, n_params, device=device, **flags)
+    prepare, step = make_step(impl, n_params, device=device, numel=numel, **flags)
     for _ in range(3):
         prepare()
         step()
@@ -114,16 +118,17 @@ def measure(n_params: int, impl: str, flags: dict, device: str, repeats: int) ->
     return {label: statistics.median(values) for label, values in times.items()}
 
 
-def main(sizes: list[int], device: str, repeats: int) -> None:
+def main(sizes: list[int], device: str, repeats: int, numel: int = NUMEL) -> None:
     labels = ["whole step"] + [label for label, _ in _phases()]
     print(f"host us per step and in its parts (the host read is inside step), device {device}, "
-          f"torch {torch.__version__}, median of {repeats} steps")
+          f"torch {torch.__version__}, parameters of ~{numel} elements, median of {repeats} "
+          f"steps")
     print("| params | case | " + " | ".join(labels) + " |")
     print("|---|---|" + "---|" * len(labels))
     with noop_launches() if device == "cpu" else contextlib.nullcontext():
         for n in sizes:
             for name, impl, flags in CASES:
-                us = measure(n, impl, flags, device, repeats)
+                us = measure(n, impl, flags, device, repeats, numel)
                 print(f"| {n} | {name} | " + " | ".join(f"{us[label] * 1e6:.0f}"
                                                          for label in labels) + " |", flush=True)
 
@@ -133,5 +138,7 @@ if __name__ == "__main__":
     parser.add_argument("sizes", type=int, nargs="*", default=[10, 1000, 10000])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument("--numel", type=int, default=NUMEL,
+                        help="the parameters' mean size in elements (default %(default)s)")
     args = parser.parse_args()
-    main(args.sizes, args.device, args.repeats)
+    main(args.sizes, args.device, args.repeats, args.numel)

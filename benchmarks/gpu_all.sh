@@ -89,6 +89,10 @@ if wants profile; then
   # where a plain step's host time goes: its four calls and its one host read (issue 15)
   run_part host_wait 90 python benchmarks/_host_wait.py --device cuda 10 1000 10000
   grep "^|" "$out/host_wait.log" >> "$summary"
+  # the same 10,000 parameters of ~16 elements: the bucket's kernel (~330 MB at ~4k) then
+  # takes ~1 us, so what the plain GradBuckets row keeps is host work, not a wait for it
+  run_part host_wait_small 60 python benchmarks/_host_wait.py --device cuda --numel 16 10000
+  grep "^|" "$out/host_wait_small.log" >> "$summary"
   # and inside one step, from torch.profiler: its ops, CUDA calls and kernels (issue 15's
   # plain GradBuckets row at 10,000 parameters, against 10 and against the fused route)
   run_part timeline 90 bash -c 'for run in "10000 plain" "10 plain" "10000 fused"; do

@@ -128,6 +128,25 @@ def test_the_host_wait_script_prints_its_table(capsys, monkeypatch):
         == before  # inherited ones (Tensor.tolist) inherited again
 
 
+def test_the_host_wait_script_takes_the_parameters_size(capsys):
+    """``--numel`` (gpu_all.sh's small-grads row: a bucket whose kernel takes no time) reaches
+    the parameters: sizes drawn around it, named in the table's title; a size that would give
+    empty parameters is refused."""
+    from _host_cost import param_sizes
+    from _host_wait import main
+
+    main([10], "cpu", repeats=2, numel=16)
+    out = capsys.readouterr().out
+    assert "parameters of ~16 elements" in out.splitlines()[0], out
+    assert sum(line.startswith("| 10 | ") for line in out.splitlines()) == 4, out
+    sizes = param_sizes(500, 16)
+    assert min(sizes) == 8 and max(sizes) == 23 and sizes == param_sizes(500, 16), sizes
+    assert sizes != param_sizes(500) and all(n % 36 == 0 for n in param_sizes(50, 16, True))
+    for bad in (1, 0, 16.0):
+        with pytest.raises(ValueError, match="numel must be an int >= 2"):
+            make_step("ours", 10, numel=bad)
+
+
 def test_the_step_timeline_script_prints_a_step(capsys):
     """``_step_timeline.py`` (one step's host ops, runtime calls and kernels from
     ``torch.profiler``, for the next GPU run: issue 15's plain GradBuckets row) runs with
