@@ -90,7 +90,7 @@ if wants profile; then
   run_part host_wait 90 python benchmarks/_host_wait.py --device cuda 10 1000 10000
   grep "^|" "$out/host_wait.log" >> "$summary"
   # the same 10,000 parameters of ~16 elements: the bucket's kernel (~330 MB at ~4k) then
-  # takes ~1 us, so what the plain GradBuckets row keeps is host work, not a wait for it
+  # takes a few us, so what the plain GradBuckets row keeps is host work, not a wait for it
   run_part host_wait_small 60 python benchmarks/_host_wait.py --device cuda --numel 16 10000
   grep "^|" "$out/host_wait_small.log" >> "$summary"
   # and inside one step, from torch.profiler: its ops, CUDA calls and kernels (issue 15's

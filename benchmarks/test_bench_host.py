@@ -129,7 +129,7 @@ def test_the_host_wait_script_prints_its_table(capsys, monkeypatch):
 
 
 def test_the_host_wait_script_takes_the_parameters_size(capsys):
-    """``--numel`` (gpu_all.sh's small-grads row: a bucket whose kernel takes no time) reaches
+    """``--numel`` (gpu_all.sh's small-grads row: a bucket whose kernel takes a few µs) reaches
     the parameters: sizes drawn around it, named in the table's title; a size that would give
     empty parameters is refused."""
     from _host_cost import param_sizes
