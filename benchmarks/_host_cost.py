@@ -90,8 +90,8 @@ def param_sizes(n_params: int, numel: int = NUMEL, channels_last: bool = False) 
     weights ``(k, 4, 3, 3)``), at least 36."""
     if not isinstance(numel, int) or numel < 2:
         raise ValueError(f"numel must be an int >= 2; got {numel!r}")
-    torch.manual_seed(0)
-    sizes = torch.randint(numel // 2, 3 * numel // 2, (n_params,)).tolist()
+    seeded = torch.Generator().manual_seed(0)  # (the global generator left as it is)
+    sizes = torch.randint(numel // 2, 3 * numel // 2, (n_params,), generator=seeded).tolist()
     return [36 * max(1, n // 36) for n in sizes] if channels_last else sizes
 
 

@@ -122,8 +122,7 @@ class _Layout:
         some parameters are outside gradient buckets and some in them; none otherwise
         (without buckets the layout holds no parameter; GradBuckets fixes its parameters
         when built: rebuild the buckets after replacing a parameter)."""
-        return self.params is None or not self.outside or all(
-            map(operator.is_, _live_params(optimizer), self.params))
+        return not self.outside or all(map(operator.is_, _live_params(optimizer), self.params))
 
     def outside_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """The parameters outside gradient buckets, in the optimizer's order: without
