@@ -42,6 +42,38 @@ def test_zero_sets_none_the_grads_of_parameters_outside_the_buckets(backend):
     assert _run_both(backend, build, loop)[1] == [None, None]
 
 
+def test_a_parameter_outside_the_buckets_replaced_in_place_is_seen(backend):
+    """``group["params"][1] = new`` (the same list, of the same length) for a parameter the
+    buckets do not hold (frozen when they were built) while they hold the others: the
+    scaler's cached layout must see the new parameter by identity, or it would read the old
+    one's grad and miss the inf in the new one's."""
+    def build(ours):
+        params = [torch.nn.Parameter(torch.randn(5)),
+                  torch.nn.Parameter(torch.randn(3), requires_grad=False),
+                  torch.nn.Parameter(torch.randn(4))]
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        zero_grad = GradBuckets(opt).zero_ if ours else opt.zero_grad
+        params[1].requires_grad_(True)  # outside the buckets, in the middle of the list
+        return params, opt, zero_grad
+
+    def loop(params, opt, scaler, zero_grad):
+        outcomes = []
+        for step in range(4):
+            if step == 2:
+                params[1] = opt.param_groups[0]["params"][1] = torch.nn.Parameter(
+                    torch.randn(3))
+            loss = sum((p * (i + 1.0)).sum() for i, p in enumerate(params))
+            scaler.scale(loss + params[1][-1] * (math.inf if step == 2 else 0.0)).backward()
+            outcomes.append(_outcome(lambda: scaler.step(opt)))
+            scaler.update()
+            outcomes.append(scaler.get_scale())
+            zero_grad()
+        return outcomes + [params[1].grad]
+
+    assert _run_both(backend, build, loop) == ["ok", 8.0, "ok", 16.0, "ok", 8.0, "ok", 8.0,
+                                               None]
+
+
 @pytest.mark.parametrize("how", ["new group", "appended to a group's list"])
 def test_a_parameter_added_after_zero_has_run_is_cleared_by_the_next_zero(backend, how):
     """zero_() remembers which of the optimizer's parameters lie outside the buckets; a

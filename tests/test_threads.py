@@ -85,11 +85,12 @@ def test_address_keyed_caches_compare_keys_and_never_hash_them():
     assert newest_equal(cache, [1, 3]) == "[1, 3]"  # equal, not the same object
     assert [k for k, _ in cache] == [[2, 2], [3, 3], [1, 3]]  # made the newest
     assert newest_equal(cache, [1, 2]) is None
-    assert store_newest(cache, [2, 2], "again", 3) == "again"  # an equal key replaced
-    assert cache == [([3, 3], "[3, 3]"), ([1, 3], "[1, 3]"), ([2, 2], "again")]
-    forget(cache, [3, 3])
+    # an equal key (not the oldest: its eviction would hide a duplicate) replaced, not added
+    assert store_newest(cache, [3, 3], "again", 3) == "again"
+    assert cache == [([2, 2], "[2, 2]"), ([1, 3], "[1, 3]"), ([3, 3], "again")]
+    forget(cache, [2, 2])
     forget(cache, [9])
-    assert [k for k, _ in cache] == [[1, 3], [2, 2]]
+    assert [k for k, _ in cache] == [[1, 3], [3, 3]]
     store_newest(cache, [4], "kept by none", 0)  # capacity 0: nothing kept
     assert cache == []
 

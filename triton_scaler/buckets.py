@@ -75,8 +75,9 @@ class GradBuckets:
             for p in bucket.params:
                 _bucketed[p] = True
         self._optimizer = optimizer
-        # (the optimizer's param lists, its parameters, those no bucket holds)
-        self._outside: tuple[tuple, list, list[torch.Tensor]] | None = None
+        # (the optimizer's param lists, its parameters, those no bucket holds with their
+        # places: (group index, index in the group's list, parameter))
+        self._outside: tuple[tuple, list, list[tuple[int, int, torch.Tensor]]] | None = None
         if optimizer is not None:
             setattr(optimizer, _REGISTRY_ATTR, getattr(optimizer, _REGISTRY_ATTR, []) + self.buckets)
 
@@ -109,17 +110,21 @@ class GradBuckets:
     def _params_outside(self, recheck: bool) -> list[torch.Tensor]:
         """The optimizer's parameters that no bucket holds (frozen when the buckets were
         built, or added since: a new group or list, a parameter replaced in place); found
-        again when the optimizer's parameter lists change, or on ``recheck`` when one
-        identity pass over the parameters sees one replaced in place."""
+        again when the optimizer's parameter lists change, when one of those parameters is
+        no longer at its place in its list (replaced in place: one identity check per
+        parameter outside the buckets), or on ``recheck`` when one identity pass over the
+        parameters sees a bucket's parameter replaced in place."""
         groups = self._optimizer.param_groups
         known = self._outside
-        if known is None or not same_param_lists(known[0], groups) or (recheck and not all(
+        if known is None or not same_param_lists(known[0], groups) or not all(
+                groups[g]["params"][i] is p for g, i, p in known[2]) or (recheck and not all(
                 map(operator.is_, (p for g in groups for p in g["params"]), known[1]))):
             inside = frozenset().union(*(b.param_ids for b in self.buckets))
             params = [p for g in groups for p in g["params"]]
-            known = self._outside = (param_lists(groups), params,
-                                     [p for p in params if id(p) not in inside])
-        return known[2]
+            known = self._outside = (param_lists(groups), params, [
+                (g, i, p) for g, group in enumerate(groups)
+                for i, p in enumerate(group["params"]) if id(p) not in inside])
+        return [p for _, _, p in known[2]]
 
     def __len__(self) -> int:
         return len(self.buckets)
