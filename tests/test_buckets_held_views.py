@@ -10,7 +10,7 @@ import pytest
 import torch
 from _bucket_loops import bucketed, outcome, run_both
 
-from triton_scaler import GradScaler
+from triton_scaler import GradBuckets, GradScaler
 
 
 @pytest.mark.parametrize("route", ["unscale_", "clip_inf", "clip_2", "fused"])
@@ -191,3 +191,35 @@ def test_a_grad_left_none_is_seen_when_a_later_backward_makes_it(backend):
     outcomes = run_both(backend, *_held_view_loop((41, 37, 20, 37), 2, (0, 1),
                                                   ["none", "keep", "keep"]))
     assert outcomes[1][2] is None
+
+
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
+@pytest.mark.parametrize("on_detach", ["reattach", "warn"])
+@pytest.mark.parametrize("swap", ["first two", "last two"])
+def test_grads_swapped_between_parameters_of_one_shape(backend, on_detach, swap):
+    """After the backward the grads of two parameters of one shape are swapped: each grad is
+    then the other's view into the bucket. Each parameter steps with the grad it holds, as
+    under torch's scaler: copied back (or, with ``"warn"``, left outside) without one copy
+    overwriting the other's source. -inf planted in the last grad at the third step."""
+    def build(ours):
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (4, 4, 7, 7)]
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return params, opt, GradBuckets(opt, on_detach=on_detach).zero_ if ours \
+            else opt.zero_grad
+
+    def loop(params, opt, scaler, zero_grad):
+        a, b = (0, 1) if swap == "first two" else (2, 3)
+        outcomes = []
+        for step in range(4):
+            scaler.scale(sum((p * (i + 1.0)).sum() for i, p in enumerate(params))).backward()
+            if step in (1, 2):
+                params[a].grad, params[b].grad = params[b].grad, params[a].grad
+            if step == 2:
+                params[-1].grad[-1] = -math.inf
+            scaler.step(opt)
+            scaler.update()
+            outcomes.append([scaler.get_scale()] + [p.grad.tolist() for p in params])
+            zero_grad()
+        return outcomes
+
+    run_both(backend, build, loop)

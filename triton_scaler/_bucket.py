@@ -270,17 +270,28 @@ class GradBucket:
         returns the ids of the parameters left outside the bucket."""
         outside = set()
         with torch.no_grad():
-            for i in detached:
+            # a grad that is itself a piece of this buffer (two parameters of one shape
+            # whose grads were swapped) is read before any view is written: copied out first
+            grads = [self._own_piece_copied(self.params[i].grad) for i in detached]
+            for i, grad in zip(detached, grads):
                 p, view = self.params[i], self.view(i)
-                grad = p.grad
                 if grad is not None and copy_back and not grad.is_sparse:
                     view.copy_(grad)
                     p.grad = view
                     self._zeroed.discard(i)
                 else:
+                    if grad is not p.grad:  # a piece of the buffer: its own memory, outside
+                        p.grad = grad
                     view.zero_()  # the bucket launch must not see stale values
                     outside.add(id(p))
         return outside
+
+    def _own_piece_copied(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """``grad``, or a copy of it when it lies in this bucket's buffer."""
+        if grad is not None and grad.layout == torch.strided and \
+                grad.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr():
+            return grad.clone()
+        return grad
 
     def _repoint(self) -> None:
         """Give every parameter whose grad is not its view the view again."""
