@@ -5,6 +5,7 @@ compares every call's outcome, every parameter and the optimizer state. (Found b
 tests/test_random_clip.py.)"""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -223,3 +224,55 @@ def test_grads_swapped_between_parameters_of_one_shape(backend, on_detach, swap)
         return outcomes
 
     run_both(backend, build, loop)
+
+
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
+@pytest.mark.parametrize("which", [0, -1])
+def test_a_first_or_last_grad_replaced_after_the_backward_while_its_view_is_held(backend,
+                                                                               which):
+    """After the backward (every view received its gradient, the buffer written as often as
+    autograd accumulated) the first or the last grad is replaced by a new tensor while a list
+    holds the old views, so the storage counts as many views as before: the address of that
+    grad tells the scaler, which must unscale and check the new tensor (-inf in it at the
+    second step: skipped) as torch's scaler does."""
+    build = bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (5, 3, 6)])
+
+    def loop(params, opt, scaler, zero_grad):
+        outcomes = []
+        for step in range(3):
+            scaler.scale(sum((p * (i + 1.0)).sum() for i, p in enumerate(params))).backward()
+            held = [p.grad for p in params]  # noqa: F841 (kept alive on purpose)
+            params[which].grad = params[which].grad * 3.0
+            if step == 1:
+                params[which].grad[0] = -math.inf
+            scaler.step(opt)
+            scaler.update()
+            outcomes.append([scaler.get_scale()] + [p.grad.tolist() for p in params])
+            zero_grad()
+        return outcomes
+
+    run_both(backend, build, loop)
+
+
+def test_a_grad_the_scaler_set_to_none_and_autograd_made_again_is_taken_back_quietly(backend):
+    """A parameter without gradient in one step (the scaler sets its grad None, as torch's
+    zero_grad() would have left it), then used again with ``zero_grad(set_to_none=False)``
+    in between instead of ``buckets.zero_()``: autograd makes it a new grad, which goes back
+    into its view without the detached-grad warning (nothing of the user's was detached)."""
+    build = bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (5, 3)])
+
+    def loop(params, opt, scaler, zero_grad):
+        outcomes = []
+        for step in range(3):
+            used = params if step != 1 else params[:1]
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no warning on either side
+                scaler.scale(sum((p * (i + 1.0)).sum() for i, p in enumerate(used))).backward()
+                scaler.step(opt)
+                scaler.update()
+            outcomes.append([scaler.get_scale()] + [p.grad is None for p in params])
+            zero_grad() if step == 0 else opt.zero_grad(set_to_none=False)
+        return outcomes
+
+    assert [o[1:] for o in run_both(backend, build, loop)] == [[False, False], [False, True],
+                                                               [False, False]]
