@@ -57,3 +57,36 @@ def test_a_sparse_embedding_in_a_bucket_gets_a_dense_grad():
     emb(torch.tensor([1, 1, 5])).sum().backward()
     assert not emb.weight.grad.is_sparse
     assert emb.weight.grad.sum(dim=1).tolist() == [0.0, 6.0, 0.0, 0.0, 0.0, 3.0, 0.0]
+
+
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")  # step 3's
+def test_a_bucketed_embedding_whose_grad_autograd_makes_sparse_again_stays_sparse(backend):
+    """A sparse embedding in a bucket, unused for a step (the scaler sets its grad None) and
+    used again with ``zero_grad(set_to_none=False)`` in between: autograd makes a *sparse* grad,
+    which stays outside the bucket (the per-tensor path unscales its values, an inf among them
+    skips the step) and steps as under torch's scaler, not copied dense into its view."""
+    def run(scaler, ours):
+        torch.manual_seed(1)
+        emb = torch.nn.Embedding(7, 3, sparse=True)
+        dense = torch.nn.Parameter(torch.randn(5, 3))
+        opt = torch.optim.SGD([emb.weight, dense], lr=0.1)
+        zero_grad = GradBuckets(opt).zero_ if ours else opt.zero_grad
+        seen = []
+        for step, idx in enumerate(([0, 4, 6], None, [2, 5, 1], [3, 0, 6])):
+            loss = dense.sum()
+            if idx is not None:
+                rows = emb(torch.tensor(idx))
+                loss = loss + (rows * (math.inf if step == 3 else 1.0)).sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            grad = emb.weight.grad
+            seen.append((scaler.get_scale(), None if grad is None else grad.is_sparse))
+            zero_grad() if step == 0 else opt.zero_grad(set_to_none=False)
+        return seen, [emb.weight.detach(), dense.detach()]
+
+    expected = run(torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=2), False)
+    actual = run(GradScaler("cpu", init_scale=4.0, growth_interval=2, backend=backend), True)
+    assert expected[0] == [(4.0, True), (8.0, None), (8.0, True), (4.0, True)]
+    assert actual[0][1:] == expected[0][1:]  # (the first step's grad: dense in the bucket)
+    assert_all_same(actual[1], expected[1])
