@@ -194,6 +194,23 @@ def test_a_grad_left_none_is_seen_when_a_later_backward_makes_it(backend):
     assert outcomes[1][2] is None
 
 
+def _changing_grads_loop(change, steps: int):
+    """A loop over ``steps`` steps whose grads ``change(params, step)`` alters after each
+    backward (what it returns is kept alive until the step is done); outcomes: the scale
+    and every grad after each step."""
+    def loop(params, opt, scaler, zero_grad):
+        outcomes = []
+        for step in range(steps):
+            scaler.scale(sum((p * (i + 1.0)).sum() for i, p in enumerate(params))).backward()
+            kept = change(params, step)  # noqa: F841 (kept alive on purpose)
+            scaler.step(opt)
+            scaler.update()
+            outcomes.append([scaler.get_scale()] + [p.grad.tolist() for p in params])
+            zero_grad()
+        return outcomes
+    return loop
+
+
 @pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
 @pytest.mark.parametrize("on_detach", ["reattach", "warn"])
 @pytest.mark.parametrize("swap", ["first two", "last two"])
@@ -208,22 +225,14 @@ def test_grads_swapped_between_parameters_of_one_shape(backend, on_detach, swap)
         return params, opt, GradBuckets(opt, on_detach=on_detach).zero_ if ours \
             else opt.zero_grad
 
-    def loop(params, opt, scaler, zero_grad):
+    def swap_grads(params, step):
         a, b = (0, 1) if swap == "first two" else (2, 3)
-        outcomes = []
-        for step in range(4):
-            scaler.scale(sum((p * (i + 1.0)).sum() for i, p in enumerate(params))).backward()
-            if step in (1, 2):
-                params[a].grad, params[b].grad = params[b].grad, params[a].grad
-            if step == 2:
-                params[-1].grad[-1] = -math.inf
-            scaler.step(opt)
-            scaler.update()
-            outcomes.append([scaler.get_scale()] + [p.grad.tolist() for p in params])
-            zero_grad()
-        return outcomes
+        if step in (1, 2):
+            params[a].grad, params[b].grad = params[b].grad, params[a].grad
+        if step == 2:
+            params[-1].grad[-1] = -math.inf
 
-    run_both(backend, build, loop)
+    run_both(backend, build, _changing_grads_loop(swap_grads, 4))
 
 
 @pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
@@ -235,23 +244,15 @@ def test_a_first_or_last_grad_replaced_after_the_backward_while_its_view_is_held
     holds the old views, so the storage counts as many views as before: the address of that
     grad tells the scaler, which must unscale and check the new tensor (-inf in it at the
     second step: skipped) as torch's scaler does."""
+    def replace_grad(params, step):
+        held = [p.grad for p in params]
+        params[which].grad = params[which].grad * 3.0
+        if step == 1:
+            params[which].grad[0] = -math.inf
+        return held
+
     build = bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (5, 3, 6)])
-
-    def loop(params, opt, scaler, zero_grad):
-        outcomes = []
-        for step in range(3):
-            scaler.scale(sum((p * (i + 1.0)).sum() for i, p in enumerate(params))).backward()
-            held = [p.grad for p in params]  # noqa: F841 (kept alive on purpose)
-            params[which].grad = params[which].grad * 3.0
-            if step == 1:
-                params[which].grad[0] = -math.inf
-            scaler.step(opt)
-            scaler.update()
-            outcomes.append([scaler.get_scale()] + [p.grad.tolist() for p in params])
-            zero_grad()
-        return outcomes
-
-    run_both(backend, build, loop)
+    run_both(backend, build, _changing_grads_loop(replace_grad, 3))
 
 
 def test_a_grad_the_scaler_set_to_none_and_autograd_made_again_is_taken_back_quietly(backend):
