@@ -12,9 +12,9 @@ import triton_scaler
 from triton_scaler import GradScaler, MinScaleReachedError, ScalerArgumentError
 
 
-def _setup(scaler, dtype=torch.float32):
+def _setup(scaler, dtype=torch.float32, fused=False):
     p = torch.nn.Parameter(torch.ones(4, dtype=dtype))
-    opt = torch.optim.SGD([p], lr=0.1)
+    opt = torch.optim.SGD([p], lr=0.1, fused=fused)
     scaler.scale((p.float() * 2).sum()).backward()
     return p, opt
 
@@ -32,9 +32,10 @@ def _overflow_step(scaler, p, opt, overflow):
     ("step", "unscale_", r"unscale_\(\) is being called after step\(\)"),
     ("step", "step", r"step\(\) has already been called since the last update\(\)"),
 ])
-def test_misuse_errors_match_torch(backend, first, second, match):
+@pytest.mark.parametrize("fused", [False, True])  # (the fused route steps on its own path)
+def test_misuse_errors_match_torch(backend, first, second, match, fused):
     for scaler in (torch.amp.GradScaler("cpu"), GradScaler("cpu", backend=backend)):
-        p, opt = _setup(scaler)
+        p, opt = _setup(scaler, fused=fused)
         getattr(scaler, first)(opt)
         with pytest.raises(RuntimeError, match=match):
             getattr(scaler, second)(opt)

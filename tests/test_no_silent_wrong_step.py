@@ -230,6 +230,21 @@ def test_scale_underflow_warns_once(backend, fused):
     assert len(underflow) == 1 and "min_scale" in str(underflow[0].message)
 
 
+def test_the_plain_step_warns_of_an_underflowed_scale_it_reads(backend):
+    """The plain route's one host read (found_inf, the scale riding along) warns by itself,
+    without a ``get_scale()`` call: at the third step, which reads 2**-127, and once."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = GradScaler("cpu", init_scale=2.0**-125, backend=backend)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        counts = []
+        for _ in range(4):
+            _overflowing_step(scaler, p, opt)
+            counts.append(len([w for w in caught if "underflowed" in str(w.message)]))
+    assert counts == [0, 0, 1, 1]
+
+
 def test_a_loaded_checkpoint_rearms_the_underflow_warning(backend):
     """After ``load_state_dict`` (a good scale again), a new underflow warns again."""
     p = torch.nn.Parameter(torch.ones(2))
