@@ -112,12 +112,16 @@ class GradBucket:
         shape, strides, offset = self._layout[i]
         return self.buffer.as_strided(shape, strides, offset)
 
+    def _in_buffer(self, grad: torch.Tensor) -> bool:
+        """``grad`` is a dense tensor over this bucket's buffer (any piece of it)."""
+        return grad.layout == torch.strided and \
+            grad.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
+
     def _is_view(self, i: int, grad: torch.Tensor) -> bool:
         shape, strides, offset = self._layout[i]
-        return (grad.layout == torch.strided
-                and grad.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
-                and grad.storage_offset() == offset and grad.shape == shape
-                and grad.stride() == strides and grad.dtype == self.dtype)
+        return (self._in_buffer(grad) and grad.storage_offset() == offset
+                and grad.shape == shape and grad.stride() == strides
+                and grad.dtype == self.dtype)
 
     def checked(self) -> None:
         """Start counting accumulations and buffer writes afresh (after a check or a fill)."""
@@ -288,10 +292,7 @@ class GradBucket:
 
     def _own_piece_copied(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         """``grad``, or a copy of it when it lies in this bucket's buffer."""
-        if grad is not None and grad.layout == torch.strided and \
-                grad.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr():
-            return grad.clone()
-        return grad
+        return grad.clone() if grad is not None and self._in_buffer(grad) else grad
 
     def _repoint(self) -> None:
         """Give every parameter whose grad is not its view the view again."""

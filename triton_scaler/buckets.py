@@ -104,14 +104,15 @@ class GradBuckets:
         for bucket in self.buckets:
             bucket.zero_()
         if self._optimizer is not None:
-            for p in self._params_outside(recheck):  # as torch's zero_grad() leaves them
+            for _, _, p in self._params_outside(recheck):  # as torch's zero_grad() leaves
                 p.grad = None
 
-    def _params_outside(self, recheck: bool) -> list[torch.Tensor]:
-        """The optimizer's parameters that no bucket holds (frozen when the buckets were
-        built, or added since: a new group or list, a parameter replaced in place); found
-        again when the optimizer's parameter lists change, when one of those parameters is
-        no longer at its place in its list (replaced in place: one identity check per
+    def _params_outside(self, recheck: bool) -> list[tuple[int, int, torch.Tensor]]:
+        """``(group index, index in its list, parameter)`` of each of the optimizer's
+        parameters that no bucket holds (frozen when the buckets were built, or added since:
+        a new group or list, a parameter replaced in place); found again when the
+        optimizer's parameter lists change, when one of those parameters is no longer at its
+        place in its list (replaced in place: one identity check per
         parameter outside the buckets), or on ``recheck`` when one identity pass over the
         parameters sees a bucket's parameter replaced in place."""
         groups = self._optimizer.param_groups
@@ -124,7 +125,7 @@ class GradBuckets:
             known = self._outside = (param_lists(groups), params, [
                 (g, i, p) for g, group in enumerate(groups)
                 for i, p in enumerate(group["params"]) if id(p) not in inside])
-        return [p for _, _, p in known[2]]
+        return known[2]
 
     def __len__(self) -> int:
         return len(self.buckets)
