@@ -86,6 +86,10 @@ def test_consecutive_hysteresis_backoff_matches_deepspeed(backend, delayed_shift
     (8.0, 2.0, 100.0),  # the floor reached exactly (4 -> 2 -> floored 1), the cap at 128
     (3.0, 2.0, 5.0),  # 1.5 is floored to 2.0 (above half the floor), 8.0 capped at 5.0
     (1000.0, 300.0, 1500.0),
+    # one bound only (torch's fast path applies neither: a floor without a cap, a cap
+    # without a floor must still take the bounded path)
+    (3.0, 2.0, math.inf),
+    (3.0, 0.0, 5.0),
 ])
 def test_min_and_max_scale(backend, init, min_scale, max_scale):
     """Each step's scale: ``max(scale * backoff, min_scale)`` after an overflow, ``min(scale *
