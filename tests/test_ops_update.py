@@ -88,7 +88,7 @@ def test_consecutive_hysteresis_backoff_matches_deepspeed(backend, delayed_shift
     (1000.0, 300.0, 1500.0),
     # one bound only (torch's fast path applies neither: a floor without a cap, a cap
     # without a floor must still take the bounded path)
-    (3.0, 2.0, math.inf),
+    (3.0, 1.0, math.inf),  # 1.5 -> 0.75 floored to 1.0 (DeepSpeed's min_loss_scale)
     (3.0, 0.0, 5.0),
 ])
 def test_min_and_max_scale(backend, init, min_scale, max_scale):

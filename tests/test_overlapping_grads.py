@@ -236,6 +236,9 @@ SHARING = {
     "a_dense_alias_transposed": (
         lambda b: [b[0:6].view(2, 3), b[0:6].view(2, 3).t()], "once", "once"),
     "a_dense_alias_prefix": (lambda b: [b[0:10], b[0:4]], "once", "once"),
+    # the smaller alias first: the rule keeps the one with more elements, wherever it is
+    "a_dense_alias_prefix_first": (lambda b: [b[0:4], b[0:10]], "once", "once"),
+    "gapped_alias_first_inside_a_dense_one": (lambda b: [b[0:10:2], b[0:10]], "once", "refused"),
 }
 
 
