@@ -239,6 +239,8 @@ SHARING = {
     # the smaller alias first: the rule keeps the one with more elements, wherever it is
     "a_dense_alias_prefix_first": (lambda b: [b[0:4], b[0:10]], "once", "once"),
     "gapped_alias_first_inside_a_dense_one": (lambda b: [b[0:10:2], b[0:10]], "once", "refused"),
+    "aliases_beside_a_one_element_grad_and_an_empty_one": (
+        lambda b: [b[11:12], b[0:10], b[10:10], b[0:4]], "once", "once"),
 }
 
 
