@@ -12,6 +12,7 @@ import torch
 
 from triton_scaler import GradBuckets, GradScaler, MinScaleReachedError, ScalePolicy, ops
 from triton_scaler.compat import apex, deepspeed, mindspore
+from triton_scaler.policy import cached_policy
 
 
 def _trained(backend, **kwargs):
@@ -105,6 +106,21 @@ def test_numpy_scalars_are_numbers():
                         hysteresis=np.int32(2))
     assert scaler.policy == ScalePolicy(growth_interval=10, hysteresis=2)
     assert type(scaler.get_growth_interval()) is int
+
+
+def test_a_policy_built_directly_is_validated_and_normalised():
+    """``ScalePolicy(...)`` (public) checks and normalises its values as the scaler does;
+    ``cached_policy`` (``ops.update_scale_``'s per-step path) validates settings once."""
+    with pytest.raises(ValueError, match="The growth factor must be > 1.0"):
+        ScalePolicy(growth_factor=0.5)
+    with pytest.raises(TypeError, match="hysteresis must be an int"):
+        ScalePolicy(hysteresis=2.0)
+    policy = ScalePolicy(growth_interval=np.int64(10), min_scale=1, max_scale=np.float32(2.0**20))
+    assert policy == ScalePolicy(growth_interval=10, min_scale=1.0, max_scale=2.0**20)
+    assert type(policy.growth_interval) is int
+    assert type(policy.min_scale) is float and type(policy.max_scale) is float
+    assert cached_policy(growth_interval=7, hysteresis=2) is cached_policy(hysteresis=2,
+                                                                           growth_interval=7)
 
 
 def test_scale_rejects_what_is_not_tensors(backend):
