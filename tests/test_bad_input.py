@@ -47,6 +47,12 @@ BAD_STATE = [
     ("_hysteresis_tracker", "x", TypeError, r"state_dict\['_hysteresis_tracker'\] must be an int"),
     ("_hysteresis_tracker", 5, ValueError, r"state_dict\['_hysteresis_tracker'\] must be an int <="),
     ("skipped_steps", -1, ValueError, r"state_dict\['skipped_steps'\]"),
+    ("skipped_steps", 2**63, ValueError,
+     r"state_dict\['skipped_steps'\] must be an int in \[0, 9223372036854775807\]; got"),
+    ("_growth_tracker", 2**31, ValueError,
+     r"state_dict\['_growth_tracker'\] must be an int in \[0, 2147483647\]; got"),
+    ("growth_interval", True, TypeError, r"state_dict\['growth_interval'\] must be an int; got bool"),
+    ("hysteresis", False, TypeError, r"state_dict\['hysteresis'\] must be an int; got bool"),
 ]
 
 
