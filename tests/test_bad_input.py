@@ -125,8 +125,31 @@ def test_a_policy_built_directly_is_validated_and_normalised():
     assert policy == ScalePolicy(growth_interval=10, min_scale=1.0, max_scale=2.0**20)
     assert type(policy.growth_interval) is int
     assert type(policy.min_scale) is float and type(policy.max_scale) is float
-    assert cached_policy(growth_interval=7, hysteresis=2) is cached_policy(hysteresis=2,
-                                                                           growth_interval=7)
+    first = cached_policy(growth_interval=7, hysteresis=2)
+    assert cached_policy(growth_interval=5) is not first
+    assert cached_policy(hysteresis=2, growth_interval=7) is first
+    # the defaults are torch's GradScaler's
+    theirs = torch.amp.GradScaler("cpu")
+    assert (ScalePolicy().growth_factor, ScalePolicy().backoff_factor,
+            ScalePolicy().growth_interval) == (theirs.get_growth_factor(),
+                                               theirs.get_backoff_factor(),
+                                               theirs.get_growth_interval())
+
+
+def test_every_bound_is_inclusive():
+    """The accepted ranges include their ends: a scale of float32's smallest normal or
+    largest value, min_scale == max_scale, an int32 hysteresis tracker at either end."""
+    tiny, big = float(torch.finfo(torch.float32).tiny), float(torch.finfo(torch.float32).max)
+    for scale in (tiny, big):
+        assert GradScaler("cpu", init_scale=scale).get_scale() == scale
+    assert ScalePolicy(min_scale=4.0, max_scale=4.0).min_scale == 4.0
+    scaler = GradScaler("cpu", hysteresis=3)
+    state = scaler.state_dict()
+    for tracker in (-(2**31), 3):
+        scaler.load_state_dict({**state, "_hysteresis_tracker": tracker})
+        assert scaler.state_dict()["_hysteresis_tracker"] == tracker
+    with pytest.raises(ValueError, match=r"_hysteresis_tracker'\] must be an int <= hysteresis"):
+        scaler.load_state_dict({**state, "_hysteresis_tracker": -(2**31) - 1})
 
 
 def test_scale_rejects_what_is_not_tensors(backend):
