@@ -2,6 +2,7 @@
 and its accepted values, and changes nothing. Both backends where a backend is involved."""
 
 import copy
+import dataclasses
 import io
 import math
 import re
@@ -122,6 +123,8 @@ def test_a_policy_built_directly_is_validated_and_normalised():
     with pytest.raises(TypeError, match="hysteresis must be an int"):
         ScalePolicy(hysteresis=2.0)
     policy = ScalePolicy(growth_interval=np.int64(10), min_scale=1, max_scale=np.float32(2.0**20))
+    with pytest.raises(dataclasses.FrozenInstanceError):  # a change builds a new one
+        policy.growth_factor = 0.5
     assert policy == ScalePolicy(growth_interval=10, min_scale=1.0, max_scale=2.0**20)
     assert type(policy.growth_interval) is int
     assert type(policy.min_scale) is float and type(policy.max_scale) is float
@@ -143,6 +146,8 @@ def test_every_bound_is_inclusive():
     for scale in (tiny, big):
         assert GradScaler("cpu", init_scale=scale).get_scale() == scale
     assert ScalePolicy(min_scale=4.0, max_scale=4.0).min_scale == 4.0
+    assert ScalePolicy(min_scale=big).min_scale == big
+    assert ScalePolicy(backoff_factor=tiny).backoff_factor == tiny
     scaler = GradScaler("cpu", hysteresis=3)
     state = scaler.state_dict()
     for tracker in (-(2**31), 3):
