@@ -146,6 +146,7 @@ def test_every_bound_is_inclusive():
     for scale in (tiny, big):
         assert GradScaler("cpu", init_scale=scale).get_scale() == scale
     assert ScalePolicy(min_scale=4.0, max_scale=4.0).min_scale == 4.0
+    assert GradScaler("cpu", init_scale=4.0, min_scale=4.0, max_scale=4.0).get_scale() == 4.0
     assert ScalePolicy(min_scale=big).min_scale == big
     assert ScalePolicy(backoff_factor=tiny).backoff_factor == tiny
     scaler = GradScaler("cpu", hysteresis=3)
