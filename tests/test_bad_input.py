@@ -149,6 +149,7 @@ def test_every_bound_is_inclusive():
     assert GradScaler("cpu", init_scale=4.0, min_scale=4.0, max_scale=4.0).get_scale() == 4.0
     assert ScalePolicy(min_scale=big).min_scale == big
     assert ScalePolicy(backoff_factor=tiny).backoff_factor == tiny
+    assert ScalePolicy(max_scale=tiny).max_scale == tiny  # any cap > 0
     scaler = GradScaler("cpu", hysteresis=3)
     state = scaler.state_dict()
     for tracker in (-(2**31), 3):
