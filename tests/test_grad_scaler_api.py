@@ -104,6 +104,9 @@ def test_disabled_is_a_pass_through(backend):
     loss = torch.ones(())
     assert scaler.scale(loss) is loss
     assert scaler.state_dict() == {} and scaler.get_scale() == 1.0
+    torch.amp.GradScaler("cpu", enabled=False).load_state_dict({})  # a no-op, as here:
+    scaler.load_state_dict({})
+    assert not scaler.last_step_skipped.item()
     p, opt = _setup(scaler)
     scaler.step(opt)
     scaler.update()
@@ -158,6 +161,8 @@ def test_pickling_mid_iteration_is_refused_as_torch():
 
 def test_skip_signal(backend):
     scaler = GradScaler("cpu", backend=backend)
+    assert scaler.last_step_skipped.dtype == torch.bool  # before the first step: False
+    assert not scaler.last_step_skipped.item()
     p, opt = _setup(scaler)
     assert scaler.last_step_skipped.dtype == torch.bool
     scaler.step(opt)
