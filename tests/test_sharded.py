@@ -4,6 +4,7 @@ up when needed; with 2 gloo ranks under DDP and FSDP1 (also a pure-float16 model
 scales, skipped steps and parameters, and agreement where torch's has none."""
 
 import copy
+import datetime
 import pickle
 
 import pytest
@@ -95,6 +96,26 @@ def test_pickles_and_copies_without_its_group():
     for clone in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
         assert clone.state_dict() == scaler.state_dict()
         assert clone.process_group is None and type(clone) is ShardedGradScaler
+
+
+@needs_gloo
+def test_pickles_and_copies_with_a_group_leaving_it_out():
+    """A process group does not pickle: a scaler holding one pickles and copies without it
+    (set it again after loading), keeping its state. One in-process gloo rank on a HashStore."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        group = dist.new_group([0])
+        for scaler in (ShardedGradScaler("cpu", 2.0**4, process_group=group),
+                       GradScaler("cpu", 2.0**4, process_group=group)):
+            scaler.scale(torch.ones(()))
+            for clone in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
+                assert clone.state_dict() == scaler.state_dict() and type(clone) is type(scaler)
+                held = "process_group" if type(clone) is ShardedGradScaler else "_process_group"
+                assert getattr(clone, held) is None
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 _results: dict = {}
