@@ -228,6 +228,7 @@ def test_scale_underflow_warns_once(backend, fused):
         scaler.state_dict()
     underflow = [w for w in caught if "underflowed" in str(w.message)]
     assert len(underflow) == 1 and "min_scale" in str(underflow[0].message)
+    assert underflow[0].filename == __file__  # at the user's line, not inside the scaler
 
 
 def test_the_plain_step_warns_of_an_underflowed_scale_it_reads(backend):
@@ -243,6 +244,7 @@ def test_the_plain_step_warns_of_an_underflowed_scale_it_reads(backend):
             _overflowing_step(scaler, p, opt)
             counts.append(len([w for w in caught if "underflowed" in str(w.message)]))
     assert counts == [0, 0, 1, 1]
+    assert [w.filename for w in caught if "underflowed" in str(w.message)] == [__file__]
 
 
 def test_a_loaded_checkpoint_rearms_the_underflow_warning(backend):

@@ -3,6 +3,8 @@ tensors, skip signal, state_dict / load_state_dict and pickling. Kept apart from
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections import defaultdict
 from typing import Any
@@ -21,6 +23,16 @@ _INT64_MAX = 2**63 - 1
 #: found_inf flags per iteration, one per optimizer; the last one collects the rare extras
 #: (a ninth optimizer, grads on several devices), so update() reduces all of them in one launch.
 FOUND_INF_SLOTS = 8
+
+
+def _callers_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, for the function calling this one, of the first frame
+    outside this package and torch's ``torch/amp`` (whose ``step()`` calls back into ours)."""
+    inside = (os.path.dirname(__file__), os.path.dirname(torch.amp.grad_scaler.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _key(key: str) -> str:
@@ -174,6 +186,8 @@ class ScalerStateMixin:
         return scale
 
     def _warn_if_underflowed(self, scale: float) -> None:
+        """Warn once of a scale below float32's smallest normal, at the user's call (the
+        ``get_scale()`` or ``step()`` line, whichever read it)."""
         if scale < FP32_TINY and not self._warned_underflow:
             self._warned_underflow = True
             warnings.warn(
@@ -181,7 +195,7 @@ class ScalerStateMixin:
                 f"{FP32_TINY!r}): inv_scale = 1/scale is inf or overflows the gradients, so every "
                 "step is skipped from now on. Set min_scale (e.g. min_scale=1.0) to floor the "
                 "backoff, and look for the source of the non-finite gradients.",
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning, stacklevel=_callers_stacklevel())
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (finite, > 1); takes effect on the device, also inside CUDA
