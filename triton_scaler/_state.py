@@ -28,7 +28,8 @@ FOUND_INF_SLOTS = 8
 def _callers_stacklevel() -> int:
     """The ``warnings.warn`` stacklevel, for the function calling this one, of the first frame
     outside this package and torch's ``torch/amp`` (whose ``step()`` calls back into ours)."""
-    inside = (os.path.dirname(__file__), os.path.dirname(torch.amp.grad_scaler.__file__))
+    inside = tuple(os.path.dirname(path) + os.sep
+                   for path in (__file__, torch.amp.grad_scaler.__file__))
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
