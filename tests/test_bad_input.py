@@ -2,18 +2,15 @@
 and its accepted values, and changes nothing. Both backends where a backend is involved."""
 
 import copy
-import dataclasses
 import io
 import math
 import re
 
-import numpy as np
 import pytest
 import torch
 
 from triton_scaler import GradBuckets, GradScaler, MinScaleReachedError, ScalePolicy, ops
 from triton_scaler.compat import apex, deepspeed, mindspore
-from triton_scaler.policy import cached_policy
 
 
 def _trained(backend, **kwargs):
@@ -105,58 +102,6 @@ def test_setters_change_nothing_on_error(backend):
 def test_bad_constructor_arguments(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         GradScaler(*(args or ("cpu",)), **kwargs)
-
-
-def test_numpy_scalars_are_numbers():
-    scaler = GradScaler("cpu", init_scale=np.float32(1024.0), growth_factor=np.float64(2.0),
-                        backoff_factor=np.float32(0.5), growth_interval=np.int64(10),
-                        hysteresis=np.int32(2))
-    assert scaler.policy == ScalePolicy(growth_interval=10, hysteresis=2)
-    assert type(scaler.get_growth_interval()) is int
-
-
-def test_a_policy_built_directly_is_validated_and_normalised():
-    """``ScalePolicy(...)`` (public) checks and normalises its values as the scaler does;
-    ``cached_policy`` (``ops.update_scale_``'s per-step path) validates settings once."""
-    with pytest.raises(ValueError, match="The growth factor must be > 1.0"):
-        ScalePolicy(growth_factor=0.5)
-    with pytest.raises(TypeError, match="hysteresis must be an int"):
-        ScalePolicy(hysteresis=2.0)
-    policy = ScalePolicy(growth_interval=np.int64(10), min_scale=1, max_scale=np.float32(2.0**20))
-    with pytest.raises(dataclasses.FrozenInstanceError):  # a change builds a new one
-        policy.growth_factor = 0.5
-    assert policy == ScalePolicy(growth_interval=10, min_scale=1.0, max_scale=2.0**20)
-    assert type(policy.growth_interval) is int
-    assert type(policy.min_scale) is float and type(policy.max_scale) is float
-    first = cached_policy(growth_interval=7, hysteresis=2)
-    assert cached_policy(growth_interval=5) is not first
-    assert cached_policy(hysteresis=2, growth_interval=7) is first
-    # the defaults are torch's GradScaler's
-    theirs = torch.amp.GradScaler("cpu")
-    assert (ScalePolicy().growth_factor, ScalePolicy().backoff_factor,
-            ScalePolicy().growth_interval) == (theirs.get_growth_factor(),
-                                               theirs.get_backoff_factor(),
-                                               theirs.get_growth_interval())
-
-
-def test_every_bound_is_inclusive():
-    """The accepted ranges include their ends: a scale of float32's smallest normal or
-    largest value, min_scale == max_scale, an int32 hysteresis tracker at either end."""
-    tiny, big = float(torch.finfo(torch.float32).tiny), float(torch.finfo(torch.float32).max)
-    for scale in (tiny, big):
-        assert GradScaler("cpu", init_scale=scale).get_scale() == scale
-    assert ScalePolicy(min_scale=4.0, max_scale=4.0).min_scale == 4.0
-    assert GradScaler("cpu", init_scale=4.0, min_scale=4.0, max_scale=4.0).get_scale() == 4.0
-    assert ScalePolicy(min_scale=big).min_scale == big
-    assert ScalePolicy(backoff_factor=tiny).backoff_factor == tiny
-    assert ScalePolicy(max_scale=tiny).max_scale == tiny  # any cap > 0
-    scaler = GradScaler("cpu", hysteresis=3)
-    state = scaler.state_dict()
-    for tracker in (-(2**31), 3):
-        scaler.load_state_dict({**state, "_hysteresis_tracker": tracker})
-        assert scaler.state_dict()["_hysteresis_tracker"] == tracker
-    with pytest.raises(ValueError, match=r"_hysteresis_tracker'\] must be an int <= hysteresis"):
-        scaler.load_state_dict({**state, "_hysteresis_tracker": -(2**31) - 1})
 
 
 def test_scale_rejects_what_is_not_tensors(backend):
