@@ -2,6 +2,7 @@
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -261,3 +262,28 @@ def test_grads_accumulated_into_the_views_keep_negative_zeros(dtype):
         expected = run(False, backwards)
         assert expected[0][0].item() == 0 and expected[0][0].signbit()  # a -0.0 to keep
         assert_all_same(run(True, backwards), expected)
+
+
+@pytest.mark.parametrize("route", ["unscale_", "step", "clip_grad_norm_", "fused_step"])
+def test_the_detached_grads_warning_points_at_the_users_line(backend, route):
+    """Whichever call first finds grads that are no longer bucket views (``unscale_``,
+    ``clip_grad_norm_``, ``step`` on the plain or the fused route), the one warning is
+    attributed to the user's line, not to a frame inside the scaler."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=route == "fused_step")
+    GradBuckets(opt)
+    scaler = GradScaler("cpu", init_scale=4.0, backend=backend)
+    x = torch.randn(5, 12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            scaler.scale(model(x).square().mean()).backward()
+            if route == "unscale_":
+                scaler.unscale_(opt)
+            elif route == "clip_grad_norm_":
+                scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()  # set_to_none=True: the grads leave their buckets
+    detached = [w for w in caught if "no longer views" in str(w.message)]
+    assert [w.filename for w in detached] == [__file__]

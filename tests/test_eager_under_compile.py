@@ -5,6 +5,7 @@ failed. (GradScaler's ``unscale_`` / ``step`` / ``update`` on the reference back
 ``tests/test_fused_and_compile.py``.)"""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -165,3 +166,26 @@ def test_the_privates_integrators_call_in_compiled_code_as_in_eager(backend):
         assert_all_same(flags[0] + flags[1], flags_eager[0] + flags_eager[1])
         assert_all_same(grads, grads_eager)
     assert [float(r[0][0][0]) for r in eager] == [0.0, 1.0, 0.0]
+
+
+def test_a_warning_from_compiled_code_points_at_the_users_line(backend):
+    """The underflow warning of a step called from a compiled function is attributed to the
+    function's own ``scaler.step`` line, not to dynamo's frames that run the scaler eagerly."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = GradScaler("cpu", init_scale=2.0**-125, backend=backend)
+
+    def train_step(multiplier):
+        scaler.scale(p.sum() * multiplier).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    compiled = torch.compile(train_step, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):  # 2**-126, 2**-127: the third step reads an underflowed scale
+            compiled(torch.tensor(math.inf))
+    underflow = [w for w in caught if "underflowed" in str(w.message)]
+    assert [(w.filename, w.lineno) for w in underflow] == [
+        (__file__, train_step.__code__.co_firstlineno + 2)]

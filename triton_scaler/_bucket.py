@@ -6,10 +6,11 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-import warnings
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+from ._warn import warn_at_caller
 
 _ALIGN_BYTES = 16
 # Parameters held by live buckets. Kept off the parameters themselves, so a pickled or copied
@@ -209,15 +210,14 @@ class GradBucket:
         if detached:
             if not self._warned:
                 self._warned = True
-                warnings.warn(
+                warn_at_caller(
                     f"{len(detached)} gradient(s) are no longer views into their GradBucket "
                     "(was optimizer.zero_grad() called with set_to_none=True, or a grad "
                     "assigned or its .data replaced?). "
                     + ("They are copied back into the bucket each step, which costs a copy; "
                        if self._on_detach == "reattach" else
                        "They take the per-tensor path, off the one-launch fast path; ")
-                    + "call buckets.zero_() or optimizer.zero_grad(set_to_none=False) instead.",
-                    stacklevel=5)
+                    + "call buckets.zero_() or optimizer.zero_grad(set_to_none=False) instead.")
             outside |= self._reattach(detached, self._on_detach == "reattach")
         ids = frozenset(id(self.params[i]) for i in held + quiet + detached) - outside
         self.not_views = set(unset + dropped) | {self._index[pid] for pid in outside}

@@ -3,9 +3,6 @@ tensors, skip signal, state_dict / load_state_dict and pickling. Kept apart from
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -13,6 +10,7 @@ import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from ._eager import eager_under_compile
+from ._warn import warn_at_caller
 from .policy import FP32_TINY, INT32_MAX, INT32_MIN, ScalePolicy, as_int, check_scale_value
 
 EXTENSION_KEYS = ("hysteresis", "_hysteresis_tracker", "consecutive_hysteresis", "min_scale",
@@ -23,17 +21,6 @@ _INT64_MAX = 2**63 - 1
 #: found_inf flags per iteration, one per optimizer; the last one collects the rare extras
 #: (a ninth optimizer, grads on several devices), so update() reduces all of them in one launch.
 FOUND_INF_SLOTS = 8
-
-
-def _callers_stacklevel() -> int:
-    """The ``warnings.warn`` stacklevel, for the function calling this one, of the first frame
-    outside this package and torch's ``torch/amp`` (whose ``step()`` calls back into ours)."""
-    inside = tuple(os.path.dirname(path) + os.sep
-                   for path in (__file__, torch.amp.grad_scaler.__file__))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(inside):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _key(key: str) -> str:
@@ -191,12 +178,12 @@ class ScalerStateMixin:
         ``get_scale()`` or ``step()`` line, whichever read it)."""
         if scale < FP32_TINY and not self._warned_underflow:
             self._warned_underflow = True
-            warnings.warn(
+            warn_at_caller(
                 f"The loss scale has underflowed to {scale!r} (below float32's smallest normal "
                 f"{FP32_TINY!r}): inv_scale = 1/scale is inf or overflows the gradients, so every "
                 "step is skipped from now on. Set min_scale (e.g. min_scale=1.0) to floor the "
                 "backoff, and look for the source of the non-finite gradients.",
-                RuntimeWarning, stacklevel=_callers_stacklevel())
+                RuntimeWarning)
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (finite, > 1); takes effect on the device, also inside CUDA

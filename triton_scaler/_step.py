@@ -4,7 +4,6 @@ the process group, the plain route's one host read, and the fused-optimizer rout
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import Any
 
 import torch
@@ -12,6 +11,7 @@ from torch.amp.grad_scaler import OptState
 
 from ._eager import eager_under_compile
 from ._host_copy import copy_to_host_async
+from ._warn import warn_at_caller
 
 #: On the optimizer: (its step function, whether that takes ``grad_scaler``).
 _STEP_SIGNATURE_ATTR = "_triton_scaler_step_takes_grad_scaler"
@@ -117,11 +117,11 @@ class StepMixin:
 
     def _fused_step(self, optimizer, state, *args, **kwargs):
         if _step_takes_grad_scaler(optimizer):
-            warnings.warn(
+            warn_at_caller(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "
                 "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
                 "`found_inf: Tensor` to the passed optimizer and let the optimizer use them "
-                "directly.", FutureWarning, stacklevel=3)
+                "directly.", FutureWarning)
             retval = optimizer.step(*args, **kwargs, grad_scaler=self)
             state["stage"] = OptState.STEPPED
             return retval
