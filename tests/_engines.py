@@ -203,6 +203,9 @@ def run(rank, world_size, store_file, backend, engines, out_dir):
     try:
         results = {}
         train_each(results, engines, ("torch", "ours"), backend, rank)
+        for planted in (False, True):
+            attempt(results, ("ops_dtensor", planted), ops_on_dtensor_grads, backend, rank,
+                    planted)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
     finally:
@@ -217,3 +220,36 @@ def train_each(results: dict, engines, kinds, backend, rank) -> None:
             for kind in kinds:
                 attempt(results, (engine, injection, kind), train, engine, kind, backend,
                         injection, rank)
+
+
+def ops_on_dtensor_grads(backend, rank, planted):
+    """The public ops on DTensor grads over the 2 ranks: sharded ones of odd sizes (rank 1's
+    shard of the 1-element grad is empty) and a replicated one; when ``planted``, rank 1 alone
+    holds an inf, at the last element of its last shard. Ours and torch's op (which agrees
+    over the mesh through DTensor dispatch) on copies: found_inf and local grads of each,
+    for the unscale, the check (grads untouched) and ``all_finite``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from triton_scaler import ops
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = [torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1000 for n in (7, 5, 1, 33)]
+    placements = (Shard(0), Replicate(), Shard(0), Shard(0))
+
+    def grads():
+        made = [distribute_tensor(t.clone(), mesh, [p]) for t, p in zip(full, placements)]
+        if planted and rank == 1:
+            made[-1]._local_tensor.view(-1)[-1] = math.inf
+        return made
+
+    inv_scale = torch.full((), 0.125)
+    theirs, ours, checked = grads(), grads(), grads()
+    found_theirs, found_ours, found_checked = torch.zeros(()), torch.zeros(()), torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_theirs, inv_scale)
+    ops.non_finite_check_and_unscale_(ours, found_ours, inv_scale, backend=backend)
+    ops.non_finite_check_(checked, found_checked, inv_scale, backend=backend)
+    return {"found": (found_theirs, found_ours, found_checked),
+            "grads": ([g.to_local() for g in theirs], [g.to_local() for g in ours]),
+            "checked": ([g.to_local() for g in checked], [g.to_local() for g in grads()]),
+            "all_finite": ops.all_finite(grads(), backend=backend)}

@@ -90,6 +90,22 @@ def test_grad_buckets_with_the_engines(backend, tmp_path):
         assert theirs[4][1] == [False, False, True, True, True, True]  # none used the branches
 
 
+@pytest.mark.parametrize("planted", [False, True])
+def test_the_ops_agree_over_the_mesh_of_dtensor_grads(backend, planted, tmp_path_factory):
+    """The public ops on DTensor grads (sharded, odd sizes, an empty shard, one replicated):
+    as torch's op under DTensor dispatch, an inf in rank 1's shard alone sets found_inf on
+    both ranks, and the local grads are torch's bit for bit (``_engines.ops_on_dtensor_grads``)."""
+    for rank, results in enumerate(_engine_results(backend, "fsdp2", tmp_path_factory)):
+        case = results["ops_dtensor", planted]
+        assert "error" not in case, f"rank {rank}: {case}"
+        found_theirs, found_ours, found_checked = case["found"]
+        assert found_theirs.item() == float(planted), rank  # torch's op agreed over the mesh
+        assert_all_same([found_ours, found_checked], [found_theirs] * 2)
+        assert_all_same(*case["grads"])
+        assert_all_same(*case["checked"])  # the check writes nothing
+        assert case["all_finite"].item() is not planted, rank
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
 def test_other_tensor_subclasses_are_refused_by_the_triton_backend():

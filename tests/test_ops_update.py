@@ -187,9 +187,34 @@ def test_bad_policy_arguments(kwargs, match):
                           args.pop("backoff_factor"), args.pop("growth_interval"), **args)
 
 
-def test_bad_state_tensors():
-    with pytest.raises(TypeError, match="growth_tracker must be a one-element torch.int32"):
-        ops.update_scale_(torch.ones(()), torch.zeros(()), torch.zeros(()), 2.0, 0.5, 1)
+@pytest.mark.parametrize("name, bad, accepted", [
+    ("scale", torch.full((), 4.0, dtype=torch.float64), "torch.float32"),
+    ("scale", torch.full((2,), 4.0), "torch.float32"),
+    ("scale", 4.0, "torch.float32"),
+    ("growth_tracker", torch.zeros((), dtype=torch.int64), "torch.int32"),
+    ("growth_tracker", torch.zeros(()), "torch.int32"),
+    ("found_inf", torch.ones((), dtype=torch.float16), "torch.float32"),
+    ("found_inf", torch.ones((), dtype=torch.bool), "torch.float32"),
+    ("hysteresis_tracker", torch.full((), 2, dtype=torch.int64), "torch.int32"),
+    ("hysteresis_tracker", torch.full((1, 2), 2, dtype=torch.int32), "torch.int32"),
+])
+def test_bad_state_tensors_are_named_and_nothing_changes(backend, name, bad, accepted):
+    """Each state tensor of the wrong dtype or size (or not a tensor) is refused by name before
+    anything is written: the found_inf of 1.0 would back the scale off."""
+    state = dict(scale=torch.full((), 4.0), growth_tracker=torch.full((), 3, dtype=torch.int32),
+                 found_inf=torch.ones(()), hysteresis_tracker=torch.ones((), dtype=torch.int32))
+    state[name] = bad
+    before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    with pytest.raises(TypeError, match=f"^{name} must be a one-element {accepted} tensor"):
+        ops.update_scale_(state["scale"], state["growth_tracker"], state["found_inf"], 2.0, 0.5,
+                          5, hysteresis_tracker=state["hysteresis_tracker"], hysteresis=2,
+                          backend=backend)
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            assert_same(v, before[k])
+
+
+def test_a_bad_growth_interval_is_named():
     with pytest.raises(TypeError, match="growth_interval must be an int"):
         ops.update_scale_(*_state(1.0), torch.zeros(()), 2.0, 0.5, 1.5)
 
