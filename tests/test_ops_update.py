@@ -43,6 +43,22 @@ def test_growth_refused_at_fp32_max_keeps_tracker_reset(backend):
     assert tracker.item() == 0
 
 
+def test_a_hysteresis_tracker_with_the_default_hysteresis_is_torchs_update(backend):
+    """``hysteresis`` defaults to 1: a hysteresis tracker passed alone refills to 1 at growth,
+    so every overflow backs off at once, as torch's op (an overflow right after a growth)."""
+    scale, tracker = _state(4.0)
+    expected_scale, expected_tracker = _state(4.0)
+    hysteresis_tracker = torch.ones((), dtype=torch.int32)
+    for found in (0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0):
+        ops.update_scale_(scale, tracker, torch.tensor(found), 2.0, 0.5, 2,
+                          hysteresis_tracker=hysteresis_tracker, backend=backend)
+        torch._amp_update_scale_(expected_scale, expected_tracker, torch.tensor(found), 2.0,
+                                 0.5, 2)
+        assert_same(scale, expected_scale)
+        assert_same(tracker, expected_tracker)
+    assert hysteresis_tracker.item() == -1  # two overflows since the last refill to 1
+
+
 @pytest.mark.parametrize("hysteresis", [1, 2, 3])
 @pytest.mark.parametrize("min_scale", [0.0, 1.0, 64.0])
 @pytest.mark.parametrize("seed", [0, 1])
