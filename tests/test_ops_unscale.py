@@ -344,3 +344,29 @@ def test_auto_picks_reference_on_cpu(monkeypatch):
                         lambda *a: calls.append(a))
     ops.non_finite_check_and_unscale_([torch.ones(2)], torch.zeros(()), torch.ones(()))
     assert len(calls) == 1
+
+
+def test_the_reference_backend_never_reaches_triton(monkeypatch):
+    """``backend="reference"`` is torch alone: no op asks for the Triton kernels (on CPU the
+    interpreter would give the same bits, so only this tells the two apart), and the results
+    are torch's."""
+    from triton_scaler import _backend, _ops_plans
+
+    def refused():
+        raise AssertionError("the reference backend asked for the Triton kernels")
+
+    for module in (_backend, ops, _ops_plans):
+        monkeypatch.setattr(module, "triton_kernels", refused)
+    grads = [torch.tensor([1.0, -math.inf, 3.0]), torch.ones(5, dtype=torch.float16)[::2]]
+    expected = [g.clone() for g in grads]
+    found, checked, found_expected = torch.zeros(()), torch.zeros(()), torch.zeros(())
+    inv = torch.full((), 0.25)
+    ops.non_finite_check_(grads, checked, inv, backend="reference")
+    assert_all_same(grads, expected)
+    ops.non_finite_check_and_unscale_(grads, found, inv, backend="reference")
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, found_expected, inv)
+    assert_all_same([*grads, found, checked], [*expected, found_expected, found_expected])
+    assert not ops.all_finite(grads, backend="reference").item()
+    scale, tracker = torch.full((), 8.0), torch.zeros((), dtype=torch.int32)
+    ops.update_scale_(scale, tracker, found, 2.0, 0.5, 3, backend="reference")
+    assert scale.item() == 4.0
