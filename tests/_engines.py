@@ -224,23 +224,24 @@ def train_each(results: dict, engines, kinds, backend, rank) -> None:
 
 def ops_on_dtensor_grads(backend, rank, planted):
     """The public ops on DTensor grads over the 2 ranks: sharded ones of odd sizes (rank 1's
-    shard of the 1-element grad is empty) and a replicated one; when ``planted``, rank 1 alone
-    holds an inf, at the last element of its last shard. Ours and torch's op (which agrees
-    over the mesh through DTensor dispatch) on copies: found_inf and local grads of each,
-    for the unscale, the check (grads untouched) and ``all_finite``."""
+    shard of the 1-element grad is empty), then a replicated one, which is agreed over no
+    dimension and must not undo the agreement the sharded ones need; when ``planted``, rank 1
+    alone holds an inf, at the last element of its shard of the last sharded grad. Ours and
+    torch's op (which agrees over the mesh through DTensor dispatch) on copies: found_inf and
+    local grads of each, for the unscale, the check (grads untouched) and ``all_finite``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from triton_scaler import ops
 
     mesh = init_device_mesh("cpu", (2,))
-    full = [torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1000 for n in (7, 5, 1, 33)]
-    placements = (Shard(0), Replicate(), Shard(0), Shard(0))
+    full = [torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1000 for n in (7, 1, 33, 5)]
+    placements = (Shard(0), Shard(0), Shard(0), Replicate())
 
     def grads():
         made = [distribute_tensor(t.clone(), mesh, [p]) for t, p in zip(full, placements)]
         if planted and rank == 1:
-            made[-1]._local_tensor.view(-1)[-1] = math.inf
+            made[-2]._local_tensor.view(-1)[-1] = math.inf
         return made
 
     inv_scale = torch.full((), 0.125)
