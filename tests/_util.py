@@ -36,6 +36,17 @@ def assert_all_same(actual, expected) -> None:
         assert_same(a, e)
 
 
+def step_by_route(scaler, optimizer, route: str) -> None:
+    """``scaler.step(optimizer)`` and ``update()``, with ``unscale_`` or ``clip_grad_norm_``
+    (max_norm 1.0) first when ``route`` names it (any other route: step alone)."""
+    if route == "unscale_":
+        scaler.unscale_(optimizer)
+    elif route == "clip_grad_norm_":
+        scaler.clip_grad_norm_(optimizer, 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+
+
 def view_in(memory: torch.Tensor, shape: tuple[int, ...], layout: str) -> torch.Tensor:
     """A tensor of ``shape`` at the start of 1-D ``memory``: ``contiguous``, ``channels_last``
     (4-D; 2-D: transposed; else contiguous), or ``gapped`` / ``gapped_channels_last`` (the

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from _util import assert_all_same
+from _util import assert_all_same, step_by_route
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton_scaler.kernels import unscale, update
 
@@ -143,12 +143,7 @@ def test_a_steady_state_step_runs_no_import_statement(monkeypatch, buckets, rout
             in_scale = list(imports)
             sum((p.float() ** 2).sum() for p in params).mul(scale).backward()  # torch's imports
             imports.clear()
-            if route == "unscale_":
-                scaler.unscale_(opt)
-            elif route == "clip_grad_norm_":
-                scaler.clip_grad_norm_(opt, 1.0)
-            scaler.step(opt)
-            scaler.update()
+            step_by_route(scaler, opt, route)
             if step > 0:
                 assert not in_scale and not imports, (step, in_scale, imports)
     assert counts["update"] == 3 and counts["unscale"] >= 6, counts  # the kernels did run
