@@ -234,16 +234,6 @@ def test_grads_at_new_addresses_with_known_sizes(triton_device, special, no_kept
     assert len(plan._tables) == 3 and len(plan._chunk_patterns) == 1
 
 
-@pytest.mark.parametrize("bad, error, match", [
-    ("fast", ValueError, "backend must be one of 'auto', 'reference', 'triton'"),
-    (None, ValueError, "backend must be one of"),
-])
-def test_bad_backend(bad, error, match):
-    with pytest.raises(error, match=match):
-        ops.non_finite_check_and_unscale_([torch.ones(2)], torch.zeros(()), torch.ones(()),
-                                          backend=bad)
-
-
 def test_bad_arguments():
     g, f, inv = [torch.ones(2)], torch.zeros(()), torch.ones(())
     with pytest.raises(TypeError, match="found_inf must be a one-element torch.float32"):
@@ -310,63 +300,3 @@ def test_the_check_names_a_grad_that_is_not_a_tensor(backend, other):
         with pytest.raises(TypeError, match=rf"grads\[1\] must be a tensor; got "
                                             rf"{type(other).__name__}"):
             op([torch.ones(2), other], found, one, backend=backend)
-
-
-def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
-    from triton_scaler.kernels import unscale
-
-    monkeypatch.setattr(unscale, "is_interpreting", lambda: False)
-    with pytest.raises(RuntimeError, match="backend='triton' runs on CUDA tensors"):
-        ops.non_finite_check_and_unscale_([torch.ones(2)], torch.zeros(()), torch.ones(()),
-                                          backend="triton")
-
-
-def test_triton_without_the_triton_package_is_a_clear_error(monkeypatch):
-    """Without triton installed, ``"triton"`` names the package and the way out; ``"auto"``
-    takes the reference path."""
-    from triton_scaler import _backend
-
-    monkeypatch.setattr(_backend, "triton_available", lambda: False)
-    grads = [torch.ones(2)]
-    with pytest.raises(RuntimeError, match="backend='triton' needs the 'triton' package"):
-        ops.non_finite_check_and_unscale_(grads, torch.zeros(()), torch.ones(()),
-                                          backend="triton")
-    assert _backend.resolve_backend("auto", torch.device("cuda")) == "reference"
-    ops.non_finite_check_and_unscale_(grads, torch.zeros(()), torch.full((), 0.5))
-    assert grads[0].tolist() == [0.5, 0.5]
-
-
-def test_auto_picks_reference_on_cpu(monkeypatch):
-    from triton_scaler import reference
-
-    calls = []
-    monkeypatch.setattr(reference, "non_finite_check_and_unscale_",
-                        lambda *a: calls.append(a))
-    ops.non_finite_check_and_unscale_([torch.ones(2)], torch.zeros(()), torch.ones(()))
-    assert len(calls) == 1
-
-
-def test_the_reference_backend_never_reaches_triton(monkeypatch):
-    """``backend="reference"`` is torch alone: no op asks for the Triton kernels (on CPU the
-    interpreter would give the same bits, so only this tells the two apart), and the results
-    are torch's."""
-    from triton_scaler import _backend, _ops_plans
-
-    def refused():
-        raise AssertionError("the reference backend asked for the Triton kernels")
-
-    for module in (_backend, ops, _ops_plans):
-        monkeypatch.setattr(module, "triton_kernels", refused)
-    grads = [torch.tensor([1.0, -math.inf, 3.0]), torch.ones(5, dtype=torch.float16)[::2]]
-    expected = [g.clone() for g in grads]
-    found, checked, found_expected = torch.zeros(()), torch.zeros(()), torch.zeros(())
-    inv = torch.full((), 0.25)
-    ops.non_finite_check_(grads, checked, inv, backend="reference")
-    assert_all_same(grads, expected)
-    ops.non_finite_check_and_unscale_(grads, found, inv, backend="reference")
-    torch._amp_foreach_non_finite_check_and_unscale_(expected, found_expected, inv)
-    assert_all_same([*grads, found, checked], [*expected, found_expected, found_expected])
-    assert not ops.all_finite(grads, backend="reference").item()
-    scale, tracker = torch.full((), 8.0), torch.zeros((), dtype=torch.int32)
-    ops.update_scale_(scale, tracker, found, 2.0, 0.5, 3, backend="reference")
-    assert scale.item() == 4.0
