@@ -1,6 +1,7 @@
 """Worker of test_engines.py: one rank of a 2-process gloo group (4 for the 2-D meshes,
 tests/_engines_mesh.py) that trains the same model under torch's distributed engines (FSDP2,
-DDP, FSDP1) with torch's scaler and with ours."""
+DDP, FSDP1) with torch's scaler and with ours, then runs the public ops on DTensor grads
+beside torch's op (:func:`ops_on_dtensor_grads`)."""
 
 import math
 import os
