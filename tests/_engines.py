@@ -1,7 +1,7 @@
 """Worker of test_engines.py: one rank of a 2-process gloo group (4 for the 2-D meshes,
 tests/_engines_mesh.py) that trains the same model under torch's distributed engines (FSDP2,
 DDP, FSDP1) with torch's scaler and with ours, then runs the public ops on DTensor grads
-beside torch's op (:func:`ops_on_dtensor_grads`)."""
+beside torch's op (:func:`ops_on_dtensor_grads`, :func:`a_dtensor_of_a_subclass`)."""
 
 import math
 import os
@@ -207,6 +207,7 @@ def run(rank, world_size, store_file, backend, engines, out_dir):
         for planted in (False, True):
             attempt(results, ("ops_dtensor", planted), ops_on_dtensor_grads, backend, rank,
                     planted)
+        attempt(results, "dtensor_of_a_subclass", a_dtensor_of_a_subclass, backend, rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
     finally:
@@ -255,3 +256,56 @@ def ops_on_dtensor_grads(backend, rank, planted):
             "grads": ([g.to_local() for g in theirs], [g.to_local() for g in ours]),
             "checked": ([g.to_local() for g in checked], [g.to_local() for g in grads()]),
             "all_finite": ops.all_finite(grads(), backend=backend)}
+
+
+class Marked(torch.Tensor):
+    """A tensor subclass over storage of its own (made with ``as_subclass``)."""
+
+
+def a_dtensor_of_a_subclass(backend, rank):
+    """A DTensor grad whose local tensor is itself a subclass (:class:`Marked`), with an inf
+    in rank 1's shard alone, through torch's op and ours, and through torch's scaler and ours
+    (a step, then ``update``). Per route: the ``TypeError`` raised, or None; found_inf or the
+    scale after ``update``; the local grad and parameter after (plain tensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from triton_scaler import GradScaler, ops
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def grad():
+        local = torch.full((3,), 8.0)
+        local[-1] = math.inf if rank == 1 else 2.0
+        return DTensor.from_local(local.as_subclass(Marked), mesh, [Shard(0)], run_check=False)
+
+    def plain(t):
+        return t.to_local().as_subclass(torch.Tensor).clone()
+
+    results = {}
+    for route in ("op_torch", "op_ours", "scaler_torch", "scaler_ours"):
+        error, g = None, grad()
+        found_or_scale = torch.zeros(())
+        param = torch.nn.Parameter(distribute_tensor(torch.ones(6), mesh, [Shard(0)]))
+        try:
+            if route == "op_torch":
+                torch._amp_foreach_non_finite_check_and_unscale_([g], found_or_scale,
+                                                                 torch.full((), 0.125))
+            elif route == "op_ours":
+                ops.non_finite_check_and_unscale_([g], found_or_scale, torch.full((), 0.125),
+                                                  backend=backend)
+            else:
+                scaler = (torch.amp.GradScaler("cpu", init_scale=8.0) if route == "scaler_torch"
+                          else GradScaler("cpu", init_scale=8.0, backend=backend))
+                scaler.scale(torch.ones(()))  # (the scale is made lazily, as torch's)
+                opt = torch.optim.SGD([param], lr=0.5)
+                param.grad = g
+                try:
+                    scaler.step(opt)
+                    scaler.update()
+                finally:
+                    found_or_scale = torch.tensor(scaler.get_scale())
+        except TypeError as raised:
+            error = str(raised)
+        results[route] = (error, found_or_scale, plain(g), plain(param.detach()))
+    return results

@@ -10,6 +10,7 @@ scaler (``torch.amp.GradScaler`` for FSDP2, which agrees through DTensor dispatc
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -104,6 +105,27 @@ def test_the_ops_agree_over_the_mesh_of_dtensor_grads(backend, planted, tmp_path
         assert_all_same(*case["grads"])
         assert_all_same(*case["checked"])  # the check writes nothing
         assert case["all_finite"].item() is not planted, rank
+
+
+def test_a_dtensor_whose_local_tensor_is_a_subclass(backend, tmp_path_factory):
+    """A DTensor grad over a tensor subclass (``_engines.a_dtensor_of_a_subclass``, an inf in
+    rank 1's shard alone): the Triton backend, which reads raw memory, refuses it in the op
+    and in the scaler, naming both types, and changes nothing; the reference backend is
+    torch's, found_inf agreed over the mesh and the step skipped on both ranks."""
+    for rank, results in enumerate(_engine_results(backend, "fsdp2", tmp_path_factory)):
+        case = results["dtensor_of_a_subclass"]
+        assert "error" not in case, f"rank {rank}: {case}"
+        grad = torch.tensor([8.0, 8.0, math.inf if rank == 1 else 2.0])
+        for route, untouched, torchs in (("op", 0.0, 1.0), ("scaler", 8.0, 4.0)):
+            theirs, ours = case[f"{route}_torch"], case[f"{route}_ours"]
+            assert theirs[0] is None and theirs[1].item() == torchs, (rank, route, theirs)
+            if backend == "triton":
+                assert re.search("a gradient is a DTensor whose local tensor is a [\\w.]*Marked, "
+                                 "a tensor subclass the Triton backend cannot take", ours[0] or "")
+                assert_all_same(ours[1:], [torch.tensor(untouched), grad, torch.ones(3)])
+            else:
+                assert ours[0] is None, (rank, route, ours[0])
+                assert_all_same(ours[1:], theirs[1:])
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

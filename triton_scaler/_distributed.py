@@ -31,20 +31,26 @@ def local_grad(grad: torch.Tensor, backend: str, meshes: dict | None = None
     """For a grad that is not a plain tensor: the plain tensor holding this rank's elements,
     and the process groups over which found_inf must be agreed. A DTensor gives its local
     tensor and its mesh dimensions that are not ``Replicate`` (as torch; ``meshes``: as
-    :func:`mesh_layout`'s). Other subclasses pass through unchanged on the reference backend
-    (torch's op dispatches them) and raise ``TypeError`` on the Triton backend, which takes
-    raw pointers and would read the wrong memory. ``backend`` may be ``"auto"``: it is
-    resolved for the grad's device only for such other subclasses."""
+    :func:`mesh_layout`'s). Other subclasses, also as a DTensor's local tensor, pass through
+    unchanged on the reference backend (torch's op dispatches them) and raise ``TypeError``
+    on the Triton backend, which takes raw pointers and would read the wrong memory.
+    ``backend`` may be ``"auto"``: it is resolved for the grad's device only for such other
+    subclasses."""
     local, layout = mesh_layout(grad, meshes)
-    if layout is not None:
-        return local, layout.agreed_over
-    if resolve_backend(backend, grad.device) != "reference":
+    if type(local) not in (torch.Tensor, torch.nn.Parameter) and resolve_backend(
+            backend, grad.device) != "reference":
+        what = (f"a DTensor whose local tensor is a {_type_name(local)}" if layout is not None
+                else f"a {_type_name(local)}")
         raise TypeError(
-            f"a gradient is a {type(grad).__module__}.{type(grad).__name__}, a tensor subclass "
-            "the Triton backend cannot take (it reads raw memory); plain tensors and DTensor "
-            "(FSDP2 / tensor parallel) are supported. Use backend='reference' to let torch's "
-            "op dispatch this subclass")
-    return grad, None
+            f"a gradient is {what}, a tensor subclass the Triton backend cannot take (it reads "
+            "raw memory); plain tensors and DTensor (FSDP2 / tensor parallel) of plain "
+            "tensors are supported. Use backend='reference' to let torch's op dispatch this "
+            "subclass")
+    return local, layout.agreed_over if layout is not None else None
+
+
+def _type_name(t: torch.Tensor) -> str:
+    return f"{type(t).__module__}.{type(t).__name__}"
 
 
 @dataclass(frozen=True)

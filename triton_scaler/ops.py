@@ -133,17 +133,13 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
             group_grads(grads, found_inf.device, plain)  # raises the clearer error, if it finds one
             raise
-    elif resolved == "triton" and plain:  # plans kept for grads at the same addresses
+    elif resolved == "triton":  # plans kept for grads at the same addresses (subclasses
+        # were unwrapped or refused above: what is not plain is no tensor, which group_grads refuses)
         unscale_planned(grads, found_inf, inv_scale, write,
                         lambda: group_grads(grads, found_inf.device, plain))
     else:
-        groups = list(group_grads(grads, found_inf.device, plain))
-        if resolved == "triton":  # every plan first: a refused grad leaves all unchanged
-            groups = [triton_kernels().plan_unscale(members) for members in groups]
-            for plan in groups if write else ():
-                triton_kernels().refuse_overlapping_writes(plan)
-        for group in groups:
-            unscale_group_(group, found_inf, inv_scale, backend, write)
+        for group in group_grads(grads, found_inf.device, plain):
+            unscale_group_(group, found_inf, inv_scale, "reference", write)
     if mesh_groups:  # as torch's op under DTensor dispatch: agree over the mesh
         agree_over_meshes({found_inf.device: found_inf}, {found_inf.device: mesh_groups})
 
