@@ -59,6 +59,35 @@ def test_the_step_waits_for_the_found_inf_copy_of_a_device_that_is_not_current(c
     assert torch.equal(param.detach(), torch.ones(1000, device=other))
 
 
+@pytest.mark.parametrize("inf_on", [None, "cuda", "cpu"])
+def test_an_optimizer_over_cuda_and_cpu_parameters_steps_as_torchs(cuda, inf_on):
+    """One optimizer over a CUDA and a CPU parameter (an offloaded embedding's shape): the CPU
+    grads get the scale's CPU replica (the reference path), found_inf of both devices decides
+    the step on the scale's device, and scale trajectory and parameters are torch's; an inf
+    at steps 1 and 2 on ``inf_on``'s grad (last element)."""
+    results = []
+    for scaler in (torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=2),
+                   GradScaler("cuda", init_scale=2.0**10, growth_interval=2, backend="triton")):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(33, generator=gen).to(cuda)),
+                  torch.nn.Parameter(torch.randn(7, generator=gen))]
+        opt = torch.optim.SGD(params, lr=0.1)
+        scales = []
+        for step in range(6):
+            opt.zero_grad()
+            loss = (params[0] ** 2).sum() + (params[1] ** 2).sum().to(cuda)
+            scaler.scale(loss).backward()
+            if step in (1, 2) and inf_on is not None:
+                params[0 if inf_on == "cuda" else 1].grad[-1] = math.inf
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        results.append((scales, [p.detach().cpu() for p in params]))
+    (theirs, their_params), (ours, our_params) = results
+    assert ours == theirs
+    assert_all_same(our_params, their_params)
+
+
 def _free_gib(cuda) -> float:
     free, _ = torch.cuda.mem_get_info(cuda)
     return free / 2**30
