@@ -127,6 +127,22 @@ def test_bucket_overflow_is_detected_and_skips(backend):
     buckets.zero_()
 
 
+@pytest.mark.parametrize("route", ["unscale_", "step"])
+def test_a_bucket_of_fp16_grads_raises_as_torch(backend, route):
+    """An fp16 parameter, held in its own bucket: ``unscale_`` and ``step`` raise torch's
+    "Attempting to unscale FP16 gradients." and leave grads, parameters and optimizer state as torch's,
+    which holds the same parameters without buckets (``run_both``)."""
+    build = bucketed(lambda: [torch.nn.Parameter(torch.randn(4)),
+                              torch.nn.Parameter(torch.randn(3, dtype=torch.float16))])
+
+    def loop(params, opt, scaler, zero_grad):
+        scaler.scale(params[0].sum() + params[1].float().sum()).backward()
+        return [outcome(lambda: step_by_route(scaler, opt, route)),
+                [p.grad.tolist() for p in params]]
+
+    assert run_both(backend, build, loop)[0] == "ValueError: Attempting to unscale FP16 gradients."
+
+
 def test_float64_buckets_match_torch_without_buckets(backend):
     """float64 parameters (GradScaler takes their grads, unscaled in float64) get their own
     bucket; training, an overflow step included, equals torch's without buckets."""
