@@ -19,11 +19,15 @@ OPTIMIZERS = {
 
 
 def train(scaler, optimizer_name="adamw", *, steps=25, clip=False, two_optimizers=False,
-          overflow_at=(3, 4, 11), buckets=None, zero_grad=None, accumulate=1):
-    """Returns ((scale, growth_tracker) after every update, params, optimizers)."""
+          two_groups=False, overflow_at=(3, 4, 11), buckets=None, zero_grad=None, accumulate=1):
+    """Returns ((scale, growth_tracker) after every update, params, optimizers).
+    ``two_optimizers``: the parameters split over two optimizers; ``two_groups``: over two
+    parameter groups of one optimizer."""
     model = make_model()
     params = list(model.parameters())
     groups = [params[:3], params[3:]] if two_optimizers else [params]
+    if two_groups:
+        groups = [[{"params": params[:3]}, {"params": params[3:]}]]
     optimizers = [OPTIMIZERS[optimizer_name](g) for g in groups]
     if buckets is not None:
         for opt in optimizers:

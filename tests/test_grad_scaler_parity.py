@@ -17,6 +17,8 @@ CASES = [
     dict(optimizer_name="adamw_foreach", two_optimizers=True),
     dict(optimizer_name="sgd_momentum", two_optimizers=True, clip=True),
     dict(optimizer_name="adamw_fused", two_optimizers=True),
+    dict(optimizer_name="sgd_momentum", two_groups=True, clip=True),
+    dict(optimizer_name="adamw_fused", two_groups=True),
     dict(optimizer_name="adamw", overflow_at=()),
     dict(optimizer_name="adamw", accumulate=3),
 ]
