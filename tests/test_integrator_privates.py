@@ -10,7 +10,7 @@ import torch
 from _util import assert_all_same
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-from triton_scaler import GradScaler
+from triton_scaler import GradBuckets, GradScaler
 
 
 def _params(dtype, special=None, where=(0, 0)):
@@ -112,12 +112,14 @@ def _fp16_unscaling(base):
     return Fp16Unscaling
 
 
+@pytest.mark.parametrize("buckets", [False, True], ids=["grads", "buckets"])
 @pytest.mark.parametrize("fused, clip_ours", [(False, "torch"), (False, "scaler"), (True, None)])
-def test_a_subclass_overriding_unscale_grads_is_called_as_torchs(backend, fused, clip_ours):
+def test_a_subclass_overriding_unscale_grads_is_called_as_torchs(backend, fused, clip_ours,
+                                                                 buckets):
     """A pure fp16 model through a subclass that allows fp16 grads: torch's ``unscale_`` and
-    fused route call the override; ours too (also ``scaler.clip_grad_norm_``), with the same
-    arguments, and training (with clipping, an overflow and a skipped step) ends
-    bit-identical."""
+    fused route call the override; ours too (also ``scaler.clip_grad_norm_``, and with the
+    fp16 grads in a gradient bucket), with the same arguments, and training (with clipping,
+    an overflow and a skipped step) ends bit-identical."""
     runs = []
     for make in (lambda: _fp16_unscaling(torch.amp.GradScaler)("cpu", init_scale=2.0**8,
                                                                   growth_interval=2),
@@ -127,10 +129,12 @@ def test_a_subclass_overriding_unscale_grads_is_called_as_torchs(backend, fused,
         model = torch.nn.Linear(33, 5).half()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=fused)
         scaler = make()
+        if buckets and isinstance(scaler, GradScaler):
+            GradBuckets(opt)
         scaler.calls = []
         scales = []
         for step in range(5):
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=not buckets)
             x = torch.randn(4, 33).half() * (math.inf if step == 2 else 1.0)
             scaler.scale(model(x).float().square().mean()).backward()
             if not fused and clip_ours == "scaler" and isinstance(scaler, GradScaler):
