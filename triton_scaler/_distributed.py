@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ._backend import resolve_backend
+from ._op_args import PLAIN
 
 _DTENSOR: type | None = None  # torch.distributed.tensor.DTensor, once imported
 
@@ -37,8 +38,7 @@ def local_grad(grad: torch.Tensor, backend: str, meshes: dict | None = None
     ``backend`` may be ``"auto"``: it is resolved for the grad's device only for such other
     subclasses."""
     local, layout = mesh_layout(grad, meshes)
-    if type(local) not in (torch.Tensor, torch.nn.Parameter) and resolve_backend(
-            backend, grad.device) != "reference":
+    if type(local) not in PLAIN and resolve_backend(backend, grad.device) != "reference":
         what = (f"a DTensor whose local tensor is a {_type_name(local)}" if layout is not None
                 else f"a {_type_name(local)}")
         raise TypeError(
