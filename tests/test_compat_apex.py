@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from _peers import ApexLossScaler, overflow_bursts
+from _peers import ApexAmpOracle, ApexLossScaler, overflow_bursts
+from _util import assert_all_same
 
 from triton_scaler import GradBuckets
 from triton_scaler.compat.apex import Amp
@@ -163,6 +164,46 @@ def test_one_loss_over_several_optimizers_and_a_state_loaded_midway(backend):
     with pytest.raises(ValueError, match=r"loss_id must be in \[0, 1\); got -1"):
         with amp.scale_loss(a.sum(), opts, loss_id=-1):
             pass
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", 8.0])
+def test_optimizers_that_got_no_gradient_step_as_apex(backend, loss_scale):
+    """apex checks the grads there are: an optimizer of ``scale_loss`` whose parameters got
+    no gradient (None: not reached by this loss) has no overflow of its own and skips only on
+    the others', and a call where no optimizer got one (the loss over a parameter outside
+    them) is a clean step of apex's window (it raised torch's "No inf checks were recorded
+    for this optimizer."). Against ApexAmpOracle; a static scale never skips."""
+    amp = Amp(init_scale=64.0, scale_window=2, loss_scale=loss_scale, backend=backend)
+    oracle = ApexAmpOracle(1, 64.0, 2)
+    sides = []
+    for _ in range(2):
+        params = [torch.nn.Parameter(torch.full((n,), 1.0)) for n in (2, 3, 4)]
+        sides.append((params, [torch.optim.SGD([p], lr=0.5) for p in params[:2]]))
+    (ours, ours_opts), (theirs, their_opts) = sides
+    # (the parameters the loss reaches: 2 is outside the optimizers, overflow)
+    calls = [([0], False), ([0], True), ([2], False), ([2], False), ([1], True), ([0, 1], False),
+             ([2], True), ([2], False), ([1], False)]
+    for reached, overflow in calls:
+        for params, opts in sides:
+            loss = sum(params[i].sum() for i in reached) * (math.inf if overflow else 1.0)
+            if opts is ours_opts:
+                with amp.scale_loss(loss, opts) as scaled:
+                    scaled.backward()
+            else:
+                (loss * oracle.enter(0, opts, False)).backward()
+                oracle.exit(0, opts, False)
+        for opt, their_opt in zip(ours_opts, their_opts):
+            if loss_scale == "dynamic":
+                opt.step()
+                oracle.step(their_opt)
+            else:  # static: never skipped, as apex's
+                opt.step()
+                their_opt.step()
+            opt.zero_grad()
+            their_opt.zero_grad()
+        expected = oracle.scalers[0]._loss_scale if loss_scale == "dynamic" else 8.0
+        assert amp.loss_scale() == expected, (reached, overflow)
+        assert_all_same(ours, theirs)
 
 
 def test_scale_loss_takes_apexs_arguments_in_apexs_order(backend):

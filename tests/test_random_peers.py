@@ -57,12 +57,14 @@ def test_apex_amp_follows_apex_over_random_settings(backend, seed):
 def _amp_model(seed, n_opts):
     torch.manual_seed(seed)
     params = [[torch.nn.Parameter(torch.randn(n)) for n in (3, 5)] for _ in range(n_opts)]
-    return params, [torch.optim.SGD(ps, lr=0.5, momentum=0.5) for ps in params]
+    opts = [torch.optim.SGD(ps, lr=0.5, momentum=0.5) for ps in params]
+    return params + [[torch.nn.Parameter(torch.randn(2))]], opts  # the last: in no optimizer
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_apex_amp_losses_over_shared_optimizers_follow_apex(backend, seed):
-    """Random losses over random subsets of optimizers, micro-batches with ``delay_unscale``
+    """Random losses over random subsets of optimizers (reaching some of them, or none: a
+    parameter outside the optimizers), micro-batches with ``delay_unscale``
     (also where apex mixes a delayed loss into grads an earlier loss unscaled), overflows in
     one parameter's grad, grads set to None or zeroed: every grad after every ``scale_loss``,
     every scale, and the parameters after every step equal apex's (ApexAmpOracle)."""
@@ -78,11 +80,12 @@ def test_apex_amp_losses_over_shared_optimizers_follow_apex(backend, seed):
             opt_ids = rng.sample(range(n_opts), rng.randint(1, n_opts))
             coefs = [rng.randint(-3, 3) for _ in range(2)]
             for delay in [True] * rng.choice([0, 0, 1]) + [False]:
-                inf_at = rng.choice(opt_ids) if rng.random() < 0.25 else None
+                reached = rng.sample(opt_ids, rng.randint(0, len(opt_ids)))
+                inf_at = rng.choice(reached) if reached and rng.random() < 0.25 else None
                 for side in ("ours", "theirs"):
                     params, opts = (ours, ours_opts) if side == "ours" else (theirs, their_opts)
-                    loss = sum(c * (params[i][j] ** 2).sum() for i in opt_ids
-                               for j, c in enumerate(coefs))
+                    loss = params[-1][0].sum() + sum(c * (params[i][j] ** 2).sum()
+                                                     for i in reached for j, c in enumerate(coefs))
                     if inf_at is not None:
                         loss = loss + math.inf * params[inf_at][0][0]
                     chosen = [opts[i] for i in opt_ids]

@@ -124,7 +124,7 @@ class Amp:
             return
         self._scaled_grads.difference_update(optimizers)
         for opt in optimizers:
-            scaler.unscale_(opt)
+            _unscale(scaler, opt)
         for stash in stashes:
             _add_back(stash)
         if self._dynamic and optimizers:
@@ -202,6 +202,19 @@ def _stash_grads(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, t
                 else:
                     p.grad.fill_(-0.0)
     return stash
+
+
+def _unscale(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """``scaler.unscale_(optimizer)``, and an optimizer whose parameters got no gradient (a
+    frozen part, an optimizer of the call that this loss does not reach) recorded as checked
+    with no overflow, as apex's (which checks the grads there are): it then skips only on the
+    others' overflow, and a call whose optimizers got no gradient at all is a clean step of
+    apex's window, where torch's rule would raise "No inf checks were recorded"."""
+    scaler.unscale_(optimizer)
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if not state["found_inf_per_device"]:
+        flag = state["found_inf_slot"]  # unscale_ took and zeroed it: 0, on the scale's device
+        state["found_inf_per_device"] = {flag.device: flag}
 
 
 def _add_back(stash: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
