@@ -1,7 +1,7 @@
-"""Fused-optimizer route details, torch.compile, and LR-scheduler skipping."""
+"""Fused-optimizer route details, torch.compile, and LR-scheduler skipping (the optimizer
+contracts themselves: test_optimizer_contracts.py)."""
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -114,51 +114,6 @@ def test_skipped_fused_step_leaves_params_and_state_bit_identical(backend, name)
     for before, after in zip(state, opt.state.values()):
         for k, v in before.items():  # includes "step"
             assert torch.equal(v, after[k]), k
-
-
-class _GradScalerKwargSGD(torch.optim.SGD):
-    """torch's deprecated fused contract: ``step`` takes the scaler as ``grad_scaler`` and
-    checks the grads itself (apex-style)."""
-
-    _step_supports_amp_scaling = True
-
-    def step(self, closure=None, grad_scaler=None):
-        self.events.append("grad_scaler" if grad_scaler is not None else "none")
-        if grad_scaler is not None:
-            grad_scaler._check_inf_per_device(self)
-
-
-@pytest.mark.parametrize("make", [torch.amp.GradScaler, GradScaler])
-def test_a_step_taking_grad_scaler_is_asked_again_when_replaced(make):
-    """A ``step(grad_scaler=...)`` gets the scaler and a FutureWarning at every step, as from
-    torch's scaler (the oracle: both scalers run this test); a ``step`` replaced by one
-    without that parameter gets ``grad_scale`` / ``found_inf`` instead, and the class's
-    ``step`` back gets the scaler again (the remembered signature follows ``step``)."""
-    p = torch.nn.Parameter(torch.ones(3))
-    opt = _GradScalerKwargSGD([p], lr=0.1)
-    opt.events = []
-    scaler = make("cpu", init_scale=4.0)
-
-    def new_contract_step(closure=None):
-        opt.events.append(("found_inf", float(opt.found_inf)))
-
-    seen = []
-    for i in range(5):
-        if i == 2:
-            opt.step = new_contract_step
-        if i == 4:
-            del opt.step  # the class's step again
-        scaler.scale(p.sum() * (math.inf if i == 3 else 1.0)).backward()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            scaler.step(opt)
-        seen.append([w.filename for w in caught if w.category is FutureWarning])
-        scaler.update()
-        opt.zero_grad()
-    assert opt.events == ["grad_scaler", "grad_scaler", ("found_inf", 0.0), ("found_inf", 1.0),
-                          "grad_scaler"]
-    assert seen == [[__file__], [__file__], [], [], [__file__]]  # once, at the user's line
-    assert scaler.get_scale() == 2.0
 
 
 def _compiled_run(scaler_factory, compile_backend, steps=6):

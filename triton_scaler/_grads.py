@@ -151,7 +151,10 @@ _layouts: WeakKeyDictionary = WeakKeyDictionary()
 
 def _layout_of(optimizer: torch.optim.Optimizer) -> _Layout:
     groups = optimizer.param_groups
-    layout = _layouts.get(optimizer)
+    try:
+        layout = _layouts.get(optimizer)
+    except TypeError:  # an optimizer-like object that takes no weak reference (__slots__
+        return _Layout(optimizer, param_lists(groups))  # without __weakref__): not kept
     if layout is None or not same_param_lists(layout.signature, groups) or \
             layout.n_buckets != len(buckets_of(optimizer)) or not layout.is_current(optimizer):
         layout = _layouts[optimizer] = _Layout(optimizer, param_lists(groups))

@@ -1,0 +1,144 @@
+"""The optimizers the scaler takes, as torch's does: a ``step`` taking ``grad_scaler`` (torch's
+deprecated fused contract), an optimizer-like object with ``__slots__`` (no ``__dict__``, no
+weak reference), and the step signature asked once per step function, not at every step."""
+
+import inspect
+import math
+import warnings
+
+import pytest
+import torch
+
+from triton_scaler import GradScaler
+
+
+class _GradScalerKwargSGD(torch.optim.SGD):
+    """torch's deprecated fused contract: ``step`` takes the scaler as ``grad_scaler`` and
+    checks the grads itself (apex-style)."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
+        self.events.append("grad_scaler" if grad_scaler is not None else "none")
+        if grad_scaler is not None:
+            grad_scaler._check_inf_per_device(self)
+
+
+@pytest.mark.parametrize("make", [torch.amp.GradScaler, GradScaler])
+def test_a_step_taking_grad_scaler_is_asked_again_when_replaced(make):
+    """A ``step(grad_scaler=...)`` gets the scaler and a FutureWarning at every step, as from
+    torch's scaler (the oracle: both scalers run this test); a ``step`` replaced by one
+    without that parameter gets ``grad_scale`` / ``found_inf`` instead, and the class's
+    ``step`` back gets the scaler again (the remembered signature follows ``step``)."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = _GradScalerKwargSGD([p], lr=0.1)
+    opt.events = []
+    scaler = make("cpu", init_scale=4.0)
+
+    def new_contract_step(closure=None):
+        opt.events.append(("found_inf", float(opt.found_inf)))
+
+    seen = []
+    for i in range(5):
+        if i == 2:
+            opt.step = new_contract_step
+        if i == 4:
+            del opt.step  # the class's step again
+        scaler.scale(p.sum() * (math.inf if i == 3 else 1.0)).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scaler.step(opt)
+        seen.append([w.filename for w in caught if w.category is FutureWarning])
+        scaler.update()
+        opt.zero_grad()
+    assert opt.events == ["grad_scaler", "grad_scaler", ("found_inf", 0.0), ("found_inf", 1.0),
+                          "grad_scaler"]
+    assert seen == [[__file__], [__file__], [], [], [__file__]]  # once, at the user's line
+    assert scaler.get_scale() == 2.0
+
+
+class _SlotsOptimizer:
+    """An optimizer-like object with ``__slots__``: no ``__dict__``, no weak reference. torch's
+    scaler needs only ``param_groups`` and ``step`` (and, fused, to set ``grad_scale`` and
+    ``found_inf``). Records what each step sees."""
+
+    __slots__ = ("param_groups", "state", "grad_scale", "found_inf", "seen")
+
+    def __init__(self, params):
+        self.param_groups = [{"params": list(params)}]
+        self.state = {}
+        self.seen = []
+
+    def step(self):
+        seen = [p.grad.clone() for p in self.param_groups[0]["params"]]
+        if getattr(self, "_step_supports_amp_scaling", False):
+            seen += [None if self.grad_scale is None else self.grad_scale.clone(),
+                     self.found_inf.clone()]
+        self.seen.append(seen)
+
+
+class _SlotsFusedOptimizer(_SlotsOptimizer):
+    __slots__ = ()
+    _step_supports_amp_scaling = True
+
+
+@pytest.mark.parametrize("optimizer_type", [_SlotsOptimizer, _SlotsFusedOptimizer])
+def test_an_optimizer_like_object_with_slots_steps_as_torchs(backend, optimizer_type):
+    """Overflow at iteration 1, ``unscale_`` first at 2: what every step saw (grads, and
+    fused the scale and found_inf handed over) and the scales equal torch's scaler's."""
+    results = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=4.0),
+                   GradScaler("cpu", init_scale=4.0, backend=backend)):
+        params = [torch.nn.Parameter(torch.full((n,), 1.0)) for n in (3, 1)]
+        opt = optimizer_type(params)
+        scales = []
+        for i in range(4):
+            scaler.scale(sum(p.sum() for p in params) * (math.inf if i == 1 else 1.0)).backward()
+            if i == 2:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            for p in params:
+                p.grad = None
+        results.append((opt.seen, scales))
+    (theirs, their_scales), (ours, our_scales) = results
+    assert our_scales == their_scales
+    assert len(ours) == len(theirs) == (4 if optimizer_type is _SlotsFusedOptimizer else 3)
+    for a, b in zip(ours, theirs):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_the_step_signature_is_asked_once_per_step_function(backend, monkeypatch):
+    """torch asks ``inspect.signature`` of a fused optimizer's ``step`` at every step; ours
+    once per step function: again only when ``step`` is replaced, and when the class's comes
+    back. An optimizer-like object without ``__dict__`` is asked at every step."""
+    asked = []
+    signature = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda f, *a, **k: asked.append(f) or
+                        signature(f, *a, **k))
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1, fused=True)
+    slots = _SlotsFusedOptimizer([torch.nn.Parameter(torch.ones(2))])
+    scaler = GradScaler("cpu", init_scale=4.0, backend=backend)
+
+    def replaced(closure=None):
+        pass
+
+    counts = []
+    for i in range(6):
+        if i == 2:
+            opt.step = replaced
+        if i == 4:
+            del opt.step  # the class's step again
+        for o in (opt, slots):
+            scaler.scale(sum(q.sum() for q in o.param_groups[0]["params"])).backward()
+            scaler.step(o)
+        scaler.update()
+        opt.zero_grad()
+        slots.param_groups[0]["params"][0].grad = None
+        counts.append((sum(getattr(f, "__self__", None) is opt or f is replaced for f in asked),
+                       sum(getattr(f, "__self__", None) is slots for f in asked)))
+    assert counts == [(1, 1), (1, 2), (2, 3), (2, 4), (3, 5), (3, 6)]
