@@ -10,6 +10,13 @@ from _spawn import init_group
 
 def run(rank, world_size, store_file, optimizer_name, backend, overflow_steps, out_dir):
     init_group(rank, world_size, store_file)
+    all_reduce, all_reduces = dist.all_reduce, []
+
+    def counted_all_reduce(*args, **kwargs):
+        all_reduces.append(1)
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counted_all_reduce
     try:
         from triton_scaler import GradScaler
 
@@ -44,8 +51,9 @@ def run(rank, world_size, store_file, optimizer_name, backend, overflow_steps, o
             else:
                 assert not unchanged or step == 0
             scales.append(scaler.get_scale())
-        torch.save({"skipped": skipped, "scales": scales},
+        torch.save({"skipped": skipped, "scales": scales, "all_reduces": len(all_reduces)},
                    os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
     finally:
+        dist.all_reduce = all_reduce
         dist.destroy_process_group()

@@ -1,5 +1,7 @@
 """Sharded overflow agreement: 2 gloo processes on loopback, only rank 1 overflows; both ranks
-skip exactly those steps and keep identical scales, on the plain and the fused route."""
+skip exactly those steps and keep identical scales, on the plain and the fused route, with one
+all-reduce per iteration (the found_inf agreement, shared by ``unscale_``, ``step`` and
+``update``)."""
 
 import pytest
 import torch
@@ -19,3 +21,4 @@ def test_ranks_agree_on_overflow(tmp_path, backend, optimizer_name):
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     assert results[0]["skipped"] == results[1]["skipped"] == list(overflow_steps)
     assert results[0]["scales"] == results[1]["scales"]
+    assert results[0]["all_reduces"] == results[1]["all_reduces"] == 12  # one per iteration
