@@ -171,8 +171,8 @@ def test_optimizers_that_got_no_gradient_step_as_apex(backend, loss_scale):
     """apex checks the grads there are: an optimizer of ``scale_loss`` whose parameters got
     no gradient (None: not reached by this loss) has no overflow of its own and skips only on
     the others', and a call where no optimizer got one (the loss over a parameter outside
-    them) is a clean step of apex's window (it raised torch's "No inf checks were recorded
-    for this optimizer."). Against ApexAmpOracle; a static scale never skips."""
+    them, or no optimizer passed) is a clean step of apex's window (it raised torch's "No inf
+    checks were recorded"). Against ApexAmpOracle; a static scale never skips."""
     amp = Amp(init_scale=64.0, scale_window=2, loss_scale=loss_scale, backend=backend)
     oracle = ApexAmpOracle(1, 64.0, 2)
     sides = []
@@ -180,13 +180,14 @@ def test_optimizers_that_got_no_gradient_step_as_apex(backend, loss_scale):
         params = [torch.nn.Parameter(torch.full((n,), 1.0)) for n in (2, 3, 4)]
         sides.append((params, [torch.optim.SGD([p], lr=0.5) for p in params[:2]]))
     (ours, ours_opts), (theirs, their_opts) = sides
-    # (the parameters the loss reaches: 2 is outside the optimizers, overflow)
-    calls = [([0], False), ([0], True), ([2], False), ([2], False), ([1], True), ([0, 1], False),
-             ([2], True), ([2], False), ([1], False)]
-    for reached, overflow in calls:
-        for params, opts in sides:
+    # (the parameters the loss reaches: 2 is outside the optimizers, overflow, optimizers passed)
+    calls = [([0], False, 2), ([0], True, 2), ([2], False, 2), ([2], False, 2), ([1], True, 2),
+             ([0, 1], False, 2), ([2], True, 2), ([2], False, 0), ([2], True, 0), ([1], False, 2)]
+    for reached, overflow, n_passed in calls:
+        for params, all_opts in sides:
+            opts = all_opts[:n_passed]
             loss = sum(params[i].sum() for i in reached) * (math.inf if overflow else 1.0)
-            if opts is ours_opts:
+            if all_opts is ours_opts:
                 with amp.scale_loss(loss, opts) as scaled:
                     scaled.backward()
             else:
@@ -202,7 +203,7 @@ def test_optimizers_that_got_no_gradient_step_as_apex(backend, loss_scale):
             opt.zero_grad()
             their_opt.zero_grad()
         expected = oracle.scalers[0]._loss_scale if loss_scale == "dynamic" else 8.0
-        assert amp.loss_scale() == expected, (reached, overflow)
+        assert amp.loss_scale() == expected, (reached, overflow, n_passed)
         assert_all_same(ours, theirs)
 
 

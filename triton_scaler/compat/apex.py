@@ -124,7 +124,10 @@ class Amp:
             return
         self._scaled_grads.difference_update(optimizers)
         for opt in optimizers:
-            _unscale(scaler, opt)
+            scaler.unscale_(opt)
+            _no_gradient_is_no_overflow(scaler, id(opt))
+        if not optimizers:  # apex: a clean step of the window
+            _no_gradient_is_no_overflow(scaler, id(self))
         for stash in stashes:
             _add_back(stash)
         if self._dynamic and optimizers:
@@ -204,16 +207,15 @@ def _stash_grads(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, t
     return stash
 
 
-def _unscale(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
-    """``scaler.unscale_(optimizer)``, and an optimizer whose parameters got no gradient (a
-    frozen part, an optimizer of the call that this loss does not reach) recorded as checked
-    with no overflow, as apex's (which checks the grads there are): it then skips only on the
-    others' overflow, and a call whose optimizers got no gradient at all is a clean step of
-    apex's window, where torch's rule would raise "No inf checks were recorded"."""
-    scaler.unscale_(optimizer)
-    state = scaler._per_optimizer_states[id(optimizer)]
+def _no_gradient_is_no_overflow(scaler: GradScaler, key: int) -> None:
+    """Where the optimizer under ``key`` recorded no check (its parameters got no gradient: a
+    frozen part, an optimizer of the call this loss does not reach; or no optimizer at all),
+    record a zero found_inf, as apex checks the grads there are: it then skips only on the
+    others' overflow, and a call without gradients is a clean step of apex's window (torch's
+    rule would raise "No inf checks were recorded")."""
+    state = scaler._per_optimizer_states[key]
     if not state["found_inf_per_device"]:
-        flag = state["found_inf_slot"]  # unscale_ took and zeroed it: 0, on the scale's device
+        flag = scaler._found_inf_flag(state)  # zeroed, on the scale's device
         state["found_inf_per_device"] = {flag.device: flag}
 
 
