@@ -57,6 +57,24 @@ def test_a_step_taking_grad_scaler_is_asked_again_when_replaced(make):
     assert scaler.get_scale() == 2.0
 
 
+@pytest.mark.parametrize("make", [torch.amp.GradScaler, GradScaler])
+def test_a_second_step_taking_grad_scaler_raises_as_torchs(make):
+    """A ``step(grad_scaler=...)`` counts as the iteration's step: a second ``scaler.step``
+    before ``update()`` raises torch's error, and the optimizer's step ran once."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = _GradScalerKwargSGD([p], lr=0.1)
+    opt.events = []
+    scaler = make("cpu", init_scale=4.0)
+    scaler.scale(p.sum()).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        scaler.step(opt)
+        with pytest.raises(RuntimeError,
+                           match=r"^step\(\) has already been called since the last update\(\)\.$"):
+            scaler.step(opt)
+    assert opt.events == ["grad_scaler"]
+
+
 class _SlotsOptimizer:
     """An optimizer-like object with ``__slots__``: no ``__dict__``, no weak reference. torch's
     scaler needs only ``param_groups`` and ``step`` (and, fused, to set ``grad_scale`` and
