@@ -23,8 +23,9 @@ class RecordingFusedSGD(torch.optim.SGD):
 
     def step(self, closure=None):
         grad_scale = self.grad_scale  # None after unscale_ (an optimizer without its own)
+        found_inf = self.found_inf  # torch's scaler hands the int 0 when there are no grads
         self.seen.append((grad_scale if grad_scale is None else grad_scale.clone(),
-                          self.found_inf.clone()))
+                          found_inf.clone() if torch.is_tensor(found_inf) else found_inf))
 
 
 @pytest.mark.parametrize("overflow", [False, True])
@@ -41,6 +42,25 @@ def test_fused_route_gets_a_0d_found_inf_of_exactly_0_or_1(backend, overflow):
     assert grad_scale.item() == 8.0
     assert torch.equal(p.grad, torch.full((3,), 8.0 * (math.inf if overflow else 1.0)))
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_a_fused_step_without_grads_is_handed_0_as_torchs(backend, unscale_first):
+    """No grads at all (and ``unscale_`` first or not): the fused optimizer steps, handed the
+    scale (none after ``unscale_``) and found_inf 0 (torch's the int 0), as from torch's
+    scaler; ``update()`` then raises torch's error."""
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=8.0),
+                   GradScaler("cpu", init_scale=8.0, backend=backend)):
+        opt = RecordingFusedSGD([torch.nn.Parameter(torch.ones(3))])
+        scaler.scale(torch.ones(()))  # initialises the scale
+        if unscale_first:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        (grad_scale, found_inf), = opt.seen
+        assert (grad_scale is None if unscale_first else float(grad_scale) == 8.0)
+        assert float(found_inf) == 0.0
+        with pytest.raises(AssertionError, match="^No inf checks were recorded prior to update.$"):
+            scaler.update()
 
 
 @pytest.mark.parametrize("unscale_first", [False, True])
