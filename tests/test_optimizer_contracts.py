@@ -93,6 +93,7 @@ class _SlotsOptimizer:
             seen += [None if self.grad_scale is None else self.grad_scale.clone(),
                      self.found_inf.clone()]
         self.seen.append(seen)
+        return f"step {len(self.seen)}"
 
 
 class _SlotsFusedOptimizer(_SlotsOptimizer):
@@ -103,25 +104,27 @@ class _SlotsFusedOptimizer(_SlotsOptimizer):
 @pytest.mark.parametrize("optimizer_type", [_SlotsOptimizer, _SlotsFusedOptimizer])
 def test_an_optimizer_like_object_with_slots_steps_as_torchs(backend, optimizer_type):
     """Overflow at iteration 1, ``unscale_`` first at 2: what every step saw (grads, and
-    fused the scale and found_inf handed over) and the scales equal torch's scaler's."""
+    fused the scale and found_inf handed over), what ``scaler.step`` returned (the step's
+    value; None when skipped on the host) and the scales equal torch's scaler's."""
     results = []
     for scaler in (torch.amp.GradScaler("cpu", init_scale=4.0),
                    GradScaler("cpu", init_scale=4.0, backend=backend)):
         params = [torch.nn.Parameter(torch.full((n,), 1.0)) for n in (3, 1)]
         opt = optimizer_type(params)
-        scales = []
+        scales, returned = [], []
         for i in range(4):
             scaler.scale(sum(p.sum() for p in params) * (math.inf if i == 1 else 1.0)).backward()
             if i == 2:
                 scaler.unscale_(opt)
-            scaler.step(opt)
+            returned.append(scaler.step(opt))
             scaler.update()
             scales.append(scaler.get_scale())
             for p in params:
                 p.grad = None
-        results.append((opt.seen, scales))
-    (theirs, their_scales), (ours, our_scales) = results
+        results.append((opt.seen, scales, returned))
+    (theirs, their_scales, their_returned), (ours, our_scales, our_returned) = results
     assert our_scales == their_scales
+    assert our_returned == their_returned
     assert len(ours) == len(theirs) == (4 if optimizer_type is _SlotsFusedOptimizer else 3)
     for a, b in zip(ours, theirs):
         assert len(a) == len(b)
