@@ -35,6 +35,8 @@ def test_positional_arguments_are_torchs_backoff_then_growth():
     assert ours.get_backoff_factor() == 0.25 and ours.get_growth_factor() == 4.0
     assert ours.process_group is None and isinstance(ours, GradScaler)
     assert ShardedGradScaler("cpu", hysteresis=2).policy.hysteresis == 2  # extensions apply
+    defaults, torch_defaults = ShardedGradScaler("cpu").state_dict(), _torchs()("cpu").state_dict()
+    assert {key: defaults[key] for key in torch_defaults} == torch_defaults
 
 
 @needs_gloo
@@ -62,7 +64,9 @@ def test_scale_returns_each_output_in_its_own_dtype_as_torchs():
             theirs.scale(bad)
         with pytest.raises(theirs_error.type, match="must be a Tensor"):
             ours.scale(bad)
-    assert ShardedGradScaler("cpu", enabled=False).scale(half) is half
+    disabled, theirs_disabled = ShardedGradScaler("cpu", enabled=False), _torchs()("cpu", enabled=False)
+    for outputs in (half, [half, single], (half,)):  # the same object, as torch's
+        assert disabled.scale(outputs) is outputs and theirs_disabled.scale(outputs) is outputs
 
 
 def _leaves(value):
@@ -79,8 +83,10 @@ def test_needs_the_default_group_or_a_process_group_when_it_agrees():
     param.grad = torch.ones(3)
     opt = torch.optim.SGD([param], lr=1.0)
     scaler.scale(torch.ones(()))
-    with pytest.raises(RuntimeError, match="init_process_group"):
-        scaler.unscale_(opt)
+    for _ in range(2):  # raised before unscaling: the grads still scaled, unscale_ not spent
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            scaler.unscale_(opt)
+        assert torch.equal(param.grad, torch.ones(3))
     theirs = _torchs()("cpu")  # torch's raises a ValueError there: ours is one too
     theirs.scale(torch.ones(()))
     with pytest.raises(ValueError) as theirs_error:
