@@ -194,11 +194,10 @@ def test_optimizers_that_got_no_gradient_step_as_apex(backend, loss_scale):
                 (loss * oracle.enter(0, opts, False)).backward()
                 oracle.exit(0, opts, False)
         for opt, their_opt in zip(ours_opts, their_opts):
+            opt.step()
             if loss_scale == "dynamic":
-                opt.step()
                 oracle.step(their_opt)
             else:  # static: never skipped, as apex's
-                opt.step()
                 their_opt.step()
             opt.zero_grad()
             their_opt.zero_grad()
