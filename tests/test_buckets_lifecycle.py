@@ -142,11 +142,14 @@ def test_a_disabled_scaler_leaves_parameters_without_a_gradient_alone(backend, c
             scaler.scale(sum((p * p).sum() for p in used)).backward()
             if call == "unscale_":
                 scaler.unscale_(opt)
+                outcomes.append([p.grad is None for p in params])
             elif call == "clip_grad_norm_" and isinstance(scaler, GradScaler):
                 outcomes.append(scaler.clip_grad_norm_(opt, 1.0).item())
             elif call == "clip_grad_norm_":
                 scaler.unscale_(opt)
                 outcomes.append(torch.nn.utils.clip_grad_norm_(params, 1.0).item())
+            if call == "clip_grad_norm_":  # grad None already at the clip, not only at step
+                outcomes.append([p.grad is None for p in params])
             outcomes.append(_outcome(lambda: scaler.step(opt)))
             outcomes.append([p.grad is None for p in params])
             scaler.update()

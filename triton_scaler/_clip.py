@@ -2,8 +2,9 @@
 
 Same result as ``scaler.unscale_(optimizer)`` followed by ``torch.nn.utils.clip_grad_norm_``
 over the optimizer's grads: the total norm is that of the unscaled grads (accumulated in float32,
-float64 for float64 grads, also for bf16 / fp16 grads), ``clip_coef = clamp(max_norm /
-(total_norm + 1e-6), max=1)`` is formed on the device, and each grad ends as
+float64 once any grad is float64, also for bf16 / fp16 grads; returned as float32),
+``clip_coef = clamp(max_norm / (total_norm + 1e-6), max=1)`` is formed on the device from
+the norm before that rounding, and each grad ends as
 ``dtype(dtype(g * inv_scale) * clip_coef)``. Triton backend: a read pass (found_inf and
 per-program partial sums) and a write pass; reference backend: torch's ops.
 """
@@ -82,14 +83,14 @@ def _clip_unscaled(params, max_norm: float, norm_type: float, shard_group: Any,
     """Clip grads that are not scaled (a disabled scaler, or after ``unscale_``) by the total
     norm of :func:`reference_total_norm`: any ``p``, plain grads sharded over ``shard_group``."""
     entries = _norm_entries(params)
-    total = reference_total_norm(entries, norm_type, shard_group, device).float()
+    total = reference_total_norm(entries, norm_type, shard_group, device)
     if error_if_nonfinite and not bool(total.isfinite().item()):  # the documented read
         _raise_nonfinite(norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # float64 with float64 grads
     with torch.no_grad():
         for grad, _ in entries:
             grad.mul_(coef.to(grad.device))
-    return total
+    return total.float()
 
 
 def _raise_nonfinite(norm_type: float) -> None:
@@ -112,7 +113,8 @@ class ClipMixin:
         Counts as this iteration's :meth:`unscale_` for ``optimizer`` (``step`` skips on
         overflow; a later ``unscale_`` raises, as torch). Returns the total norm of the
         unscaled grads as a 0-d float32 tensor on the scale's device, accumulated in float32
-        (also for bf16 / fp16 grads). ``norm_type`` 2 and ``inf`` (or ``"inf"``) run fused;
+        (also for bf16 / fp16 grads; float64 with float64 grads, whose clip coefficient is
+        formed from the float64 norm, as torch's). ``norm_type`` 2 and ``inf`` (or ``"inf"``) run fused;
         other ``p > 0`` run as ``unscale_`` + a clip, as does a subclass that overrides
         ``_unscale_grads_``. No host sync, except ``error_if_nonfinite=True`` (one read).
         A disabled scaler clips with torch's ``clip_grad_norm_``. No grads: as torch, a 0
@@ -215,9 +217,9 @@ class ClipMixin:
                 total = combine_partials(partials, norm_type, shard_group, device)
             if not groups and self._process_group is not None:
                 found_for.get(device)  # no grads here: join the agreement with 0
-            total = total.float()
             # error_if_nonfinite: one read; a non-finite norm unscales only, as torch raises
-            # after unscale_ and before the clip
+            # after unscale_ and before the clip. The coefficient is formed from the norm
+            # before its float32 rounding: float64 with any float64 grad, as torch's.
             nonfinite = error_if_nonfinite and not bool(total.isfinite().item())
             coef = torch.ones_like(total) if nonfinite else \
                 torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -232,4 +234,4 @@ class ClipMixin:
                 bucket.buffer_rewritten()
             if mesh_groups:
                 agree_over_meshes(found_for._per_device_tensors, mesh_groups)
-        return total, found_for._per_device_tensors, nonfinite
+        return total.float(), found_for._per_device_tensors, nonfinite
