@@ -114,11 +114,12 @@ class ClipMixin:
         overflow; a later ``unscale_`` raises, as torch). Returns the total norm of the
         unscaled grads as a 0-d float32 tensor on the scale's device, accumulated in float32
         (also for bf16 / fp16 grads; float64 with float64 grads, whose clip coefficient is
-        formed from the float64 norm, as torch's). ``norm_type`` 2 and ``inf`` (or ``"inf"``) run fused;
-        other ``p > 0`` run as ``unscale_`` + a clip, as does a subclass that overrides
-        ``_unscale_grads_``. No host sync, except ``error_if_nonfinite=True`` (one read).
-        A disabled scaler clips with torch's ``clip_grad_norm_``. No grads: as torch, a 0
-        norm and nothing recorded (``step`` then raises). Sparse grads raise, as in torch.
+        formed from the float64 norm, as torch's). ``norm_type`` 2 and ``inf`` (or
+        ``"inf"``) run fused; other ``p > 0`` run as ``unscale_`` + a clip, as does a
+        subclass that overrides ``_unscale_grads_``. No host sync, except
+        ``error_if_nonfinite=True`` (one read). A disabled scaler clips with torch's
+        ``clip_grad_norm_``. No grads: as torch, a 0 norm and nothing recorded (``step`` then
+        raises). Sparse grads raise, as in torch.
 
         Whose norm (every rank calls this; the reductions are collective): DTensor grads
         (FSDP2, tensor parallel) give the global norm over their mesh, as torch's clip.
