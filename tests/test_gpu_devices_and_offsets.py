@@ -59,15 +59,17 @@ def test_the_step_waits_for_the_found_inf_copy_of_a_device_that_is_not_current(c
     assert torch.equal(param.detach(), torch.ones(1000, device=other))
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("inf_on", [None, "cuda", "cpu"])
-def test_an_optimizer_over_cuda_and_cpu_parameters_steps_as_torchs(cuda, inf_on):
+def test_an_optimizer_over_cuda_and_cpu_parameters_steps_as_torchs(cuda, inf_on, backend):
     """One optimizer over a CUDA and a CPU parameter (an offloaded embedding's shape): the CPU
-    grads get the scale's CPU replica (the reference path), found_inf of both devices decides
-    the step on the scale's device, and scale trajectory and parameters are torch's; an inf
-    at steps 1 and 2 on ``inf_on``'s grad (last element)."""
+    grads get the scale's CPU replica (``"auto"``: the CUDA grads on Triton, the CPU grads on
+    the reference path), found_inf of both devices decides the step on the scale's device,
+    and scale trajectory and parameters are torch's; an inf at steps 1 and 2 on ``inf_on``'s
+    grad (last element)."""
     results = []
     for scaler in (torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=2),
-                   GradScaler("cuda", init_scale=2.0**10, growth_interval=2, backend="triton")):
+                   GradScaler("cuda", init_scale=2.0**10, growth_interval=2, backend=backend)):
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(33, generator=gen).to(cuda)),
                   torch.nn.Parameter(torch.randn(7, generator=gen))]
@@ -86,6 +88,19 @@ def test_an_optimizer_over_cuda_and_cpu_parameters_steps_as_torchs(cuda, inf_on)
     (theirs, their_params), (ours, our_params) = results
     assert ours == theirs
     assert_all_same(our_params, their_params)
+
+
+def test_backend_triton_refuses_an_optimizer_with_cpu_parameters(cuda):
+    """backend="triton" runs on CUDA tensors only (outside the interpreter): a CPU grad beside
+    a CUDA one raises, naming the backend and the way out, and no grad is touched."""
+    params = [torch.nn.Parameter(torch.ones(33, device=cuda)), torch.nn.Parameter(torch.ones(7))]
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = GradScaler("cuda", init_scale=2.0**10, backend="triton")
+    scaler.scale((params[0].sum() + params[1].sum().to(cuda)) * 1.0).backward()
+    message = "backend='triton' runs on CUDA tensors; got tensors on cpu.*'reference' \\(or 'auto'"
+    with pytest.raises(RuntimeError, match=message):
+        scaler.unscale_(opt)
+    assert all(torch.equal(p.grad.cpu(), torch.full_like(p.grad.cpu(), 2.0**10)) for p in params)
 
 
 def _free_gib(cuda) -> float:
