@@ -4,9 +4,9 @@ On a GPU the plain route's ``step`` reads the overflow flag on the host (torch's
 too, for optimizers that do not skip on the device): that read waits until the launched work
 is done, which is device time, not host work. This times ``scale -> unscale_ -> step ->
 update`` (``_host_cost.make_step``, optimizer steps stubbed) and, inside it, each of the four
-calls, three parts of ours (the grads' grouping, the unscale launches, the start of the
-flag's copy to the host) and the read (``torch.cuda.Event.synchronize``, ``Tensor.tolist``
-and ``Tensor.item``), median microseconds of each over the steps:
+calls, two parts of ours (the grads' grouping, the unscale launches) and the read (ours:
+``Tensor.tolist`` of the scale and the flag, their copy to the host included; torch's:
+``Tensor.item``), median microseconds of each over the steps:
 
     python benchmarks/_host_wait.py --device cuda 10 1000 10000
 
@@ -33,6 +33,41 @@ CASES = [("ours, plain, GradBuckets", "ours", {"buckets": True}),
          ("ours, plain, grads same", "ours", {}),
          ("torch, plain, grads same", "torch", {}),
          ("ours, fused, GradBuckets", "ours", {"buckets": True, "fused": True})]
+#: the first row as it ran before session 50 (``early_host_copy``), timed beside it
+EARLY_COPY_CASE = ("ours, plain, GradBuckets, early host copy", "ours", {"buckets": True})
+
+
+@contextlib.contextmanager
+def early_host_copy() -> Iterator[None]:
+    """The plain route's host read as it was before session 50: ``unscale_`` started the copy
+    of (scale, found_inf) into new pinned host memory with an event (``copy_to_host_async``),
+    and ``step`` waited on that event; now ``step`` reads the device tensor (``tolist``).
+    Kept to time both in one run; CUDA tensors only (on CPU nothing changes)."""
+    from triton_scaler._host_copy import copy_to_host_async
+    from triton_scaler._step import StepMixin
+
+    agree, span_of = StepMixin._agree_found_inf, StepMixin._host_read_span
+
+    def agree_and_start_copy(self, state):
+        started = "found_inf_agreed" in state
+        agreed = agree(self, state)
+        if not started and agreed.is_cuda:
+            span, index = span_of(self, state, agreed)
+            state["early_host_copy"] = (*copy_to_host_async(span), index)
+        return agreed
+
+    def copied_span(self, state, agreed):
+        copied = state.get("early_host_copy")
+        if copied is None:
+            return span_of(self, state, agreed)
+        copied[1].synchronize()
+        return copied[0], copied[2]
+
+    StepMixin._agree_found_inf, StepMixin._host_read_span = agree_and_start_copy, copied_span
+    try:
+        yield
+    finally:
+        StepMixin._agree_found_inf, StepMixin._host_read_span = agree, span_of
 
 
 #: the host reads timed inside a step: (owner, method name)
@@ -41,15 +76,14 @@ READS = [(torch.Tensor, "tolist"), (torch.Tensor, "item"), (torch.cuda.Event, "s
 
 def _phases() -> list[tuple[str, list[tuple[object, str]]]]:
     """The four calls, then what runs inside ours: grouping the grads and the launches of
-    ``unscale_``, the start of the flag's copy to the host, and the host read."""
-    from triton_scaler import GradScaler, _step, grad_scaler, ops
+    ``unscale_``; and the host read."""
+    from triton_scaler import GradScaler, grad_scaler, ops
 
     scalers = (GradScaler, torch.amp.GradScaler)
     return [(name, [(cls, name) for cls in scalers if name in vars(cls)])
             for name in ("scale", "unscale_", "step", "update")] + [
         ("grad groups", [(grad_scaler, "grad_groups")]),
         ("unscale launches", [(ops, "unscale_group_")]),
-        ("host copy start", [(_step, "copy_to_host_async")]),
         ("host read", READS)]
 
 
@@ -127,8 +161,10 @@ def main(sizes: list[int], device: str, repeats: int, numel: int = NUMEL) -> Non
     print("|---|---|" + "---|" * len(labels))
     with noop_launches() if device == "cpu" else contextlib.nullcontext():
         for n in sizes:
-            for name, impl, flags in CASES:
-                us = measure(n, impl, flags, device, repeats, numel)
+            for name, impl, flags in [*CASES, EARLY_COPY_CASE]:
+                with early_host_copy() if name == EARLY_COPY_CASE[0] else \
+                        contextlib.nullcontext():
+                    us = measure(n, impl, flags, device, repeats, numel)
                 print(f"| {n} | {name} | " + " | ".join(f"{us[label] * 1e6:.0f}"
                                                          for label in labels) + " |", flush=True)
 

@@ -100,15 +100,19 @@ def test_the_host_wait_script_prints_its_table(capsys, monkeypatch):
     GPU run 2) runs with no-op launches on CPU and prints a row per case; its timers count a
     nested call of the same phase once and put every method back."""
     import _host_wait
-    from _host_wait import CASES, READS, _phases, main, timed_calls
+    from _host_wait import CASES, EARLY_COPY_CASE, READS, _phases, main, timed_calls
 
     from triton_scaler import GradScaler
+    from triton_scaler._step import StepMixin
 
+    methods = dict(vars(StepMixin))
     main([10], "cpu", repeats=2)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 10 | ")]
-    assert [row.split(" | ")[1] for row in rows] == [name for name, _, _ in CASES]
-    # params, case, whole step, the 4 calls, 3 parts of ours, the read; then the row's end
-    assert len(_phases()) == 8 and all(len(row.split(" | ")) == 11 for row in rows)
+    assert [row.split(" | ")[1] for row in rows] == [name for name, _, _ in CASES] + [
+        EARLY_COPY_CASE[0]]
+    assert dict(vars(StepMixin)) == methods  # the early-copy row's patches undone
+    # params, case, whole step, the 4 calls, 2 parts of ours, the read; then the row's end
+    assert len(_phases()) == 7 and all(len(row.split(" | ")) == 10 for row in rows)
 
     class Nested:
         def call(self, depth: int) -> None:
@@ -138,7 +142,7 @@ def test_the_host_wait_script_takes_the_parameters_size(capsys):
     main([10], "cpu", repeats=2, numel=16)
     out = capsys.readouterr().out
     assert "parameters of ~16 elements" in out.splitlines()[0], out
-    assert sum(line.startswith("| 10 | ") for line in out.splitlines()) == 4, out
+    assert sum(line.startswith("| 10 | ") for line in out.splitlines()) == 5, out
     sizes = param_sizes(500, 16)
     assert min(sizes) == 8 and max(sizes) == 23 and sizes == param_sizes(500, 16), sizes
     assert sizes != param_sizes(500) and all(n % 36 == 0 for n in param_sizes(50, 16, True))

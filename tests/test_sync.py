@@ -84,9 +84,9 @@ def test_optimizer_step_uncounted_keeps_an_optimizers_own_step():
     assert opt.step is own_step and c.count == 0
 
 
-def test_the_early_host_copy_completes_on_the_stream_of_the_copied_tensor(monkeypatch):
-    """step()'s one read (and SkipAwareScheduler's) waits on an event recorded where torch runs
-    a device-to-host copy: the current stream of the *source's* device, which is not the
+def test_a_deferred_host_copy_completes_on_the_stream_of_the_copied_tensor(monkeypatch):
+    """SkipAwareScheduler's deferred read waits on an event recorded where torch runs a
+    device-to-host copy: the current stream of the *source's* device, which is not the
     current device's when the grads and the scale live on ``cuda:1`` while ``cuda:0`` is
     current. No GPU here: the stream and event are stand-ins that record what they get."""
     from triton_scaler import _host_copy
@@ -111,32 +111,3 @@ def test_the_early_host_copy_completes_on_the_stream_of_the_copied_tensor(monkey
     host, event = _host_copy.copy_to_host_async(src)
     assert Event.recorded_on == [f"stream of {src.device}"] and streams == [src.device]
     assert torch.equal(host, src) and host.data_ptr() != src.data_ptr()
-
-
-@pytest.mark.parametrize("route", ["unscale_", "clip_grad_norm_"])
-def test_the_early_host_copy_is_started_only_for_a_step_that_reads_found_inf(backend, route,
-                                                                            monkeypatch):
-    """A fused optimizer skips on the device and ``skip_on_overflow=False`` never skips: their
-    ``unscale_`` (or fused clip) starts no pinned copy of found_inf, which torch's route does
-    not make either (on CUDA: a pinned buffer, a copy and an event per step)."""
-    from triton_scaler._step import StepMixin
-
-    asked = []
-    agree = StepMixin._agree_found_inf
-
-    def recording(self, state, *, start_host_copy=False):
-        asked.append(start_host_copy)
-        return agree(self, state, start_host_copy=start_host_copy)
-
-    monkeypatch.setattr(StepMixin, "_agree_found_inf", recording)
-    for fused, skip_on_overflow, expected in ((False, True, True), (True, True, False),
-                                              (False, False, False)):
-        p = torch.nn.Parameter(torch.ones(3))
-        opt = torch.optim.AdamW([p], fused=fused)
-        scaler = GradScaler("cpu", backend=backend, skip_on_overflow=skip_on_overflow)
-        scaler.scale(p.sum()).backward()
-        asked.clear()
-        getattr(scaler, route)(opt, *([1.0] if route == "clip_grad_norm_" else []))
-        assert asked[:1] == [expected], (fused, skip_on_overflow)
-        scaler.step(opt)
-        scaler.update()

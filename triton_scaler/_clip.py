@@ -165,8 +165,7 @@ class ClipMixin:
         state["found_inf_per_device"] = found_per_device
         state["stage"] = OptState.UNSCALED
         if found_per_device:  # none when no grad remained (GradBuckets: none received)
-            self._agree_found_inf(state,
-                                  start_host_copy=self._step_reads_found_inf(optimizer))
+            self._agree_found_inf(state)
         if nonfinite:  # as torch: unscaled (recorded as unscale_), not clipped
             _raise_nonfinite(norm_type)
         return total

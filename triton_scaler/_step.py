@@ -10,7 +10,6 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from ._eager import eager_under_compile
-from ._host_copy import copy_to_host_async
 from ._warn import warn_at_caller
 
 #: On the optimizer: (its step function, whether that takes ``grad_scaler``).
@@ -38,7 +37,7 @@ def _step_takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
 class StepMixin:
     """``step``'s helpers: the scaler's state lives in :class:`ScalerStateMixin`."""
 
-    def _agree_found_inf(self, state: dict[str, Any], *, start_host_copy: bool = False):
+    def _agree_found_inf(self, state: dict[str, Any]):
         """0-d float32 found_inf on the scale's device, exactly 0.0 or 1.0: the max over
         devices, all-reduced (MAX) over ``process_group``. Cached in the optimizer state."""
         agreed = state.get("found_inf_agreed")
@@ -59,12 +58,6 @@ class StepMixin:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._process_group)
             state["found_inf_per_device"] = {agreed.device: agreed}
         state["found_inf_agreed"] = agreed
-        if start_host_copy and agreed.is_cuda and not torch.cuda.is_current_stream_capturing():
-            # Start the device-to-host copy of (scale, found_inf) now, so step()'s one read
-            # overlaps Python work; the scale rides along for the underflow warning. Not
-            # under CUDA-graph capture: a replay would write into a freed pinned buffer.
-            span, index = self._host_read_span(state, agreed)
-            state["found_inf_host"] = (*copy_to_host_async(span), index)
         return agreed
 
     def _note_written_padding(self, optimizer: torch.optim.Optimizer, groups: list) -> None:
@@ -78,13 +71,6 @@ class StepMixin:
                    if group.padding is not None]
         if written:
             self._per_optimizer_states[id(optimizer)]["written_padding"] = written
-
-    def _step_reads_found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``step`` will read found_inf on the host: not for fused optimizers (they
-        skip on the device), nor when overflows never skip. Only then does ``unscale_`` start
-        the early host copy (a pinned buffer, a copy and an event per step)."""
-        return self._policy.skip_on_overflow and not getattr(
-            optimizer, "_step_supports_amp_scaling", False)
 
     def _host_read_span(self, state: dict[str, Any],
                         agreed: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -102,13 +88,8 @@ class StepMixin:
         if not self._policy.skip_on_overflow:
             return optimizer.step(*args, **kwargs)
         agreed = self._agree_found_inf(optimizer_state)
-        host = optimizer_state.get("found_inf_host")
-        if host is not None:
-            host[1].synchronize()
-            values, index = host[0], host[2]
-        else:
-            values, index = self._host_read_span(optimizer_state, agreed)
-        values = values.tolist()  # the one host sync of the plain route, as torch
+        span, index = self._host_read_span(optimizer_state, agreed)
+        values = span.tolist()  # the one host sync of the plain route, as torch's item()
         if not values[index]:
             optimizer_state.pop("written_padding", None)  # no overflow: padding still zero
             return optimizer.step(*args, **kwargs)

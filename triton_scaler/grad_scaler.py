@@ -187,7 +187,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         state["found_inf_per_device"] = per_device
         state["stage"] = OptState.UNSCALED
         if per_device:  # none: torch raises in step(), not here
-            self._agree_found_inf(state, start_host_copy=self._step_reads_found_inf(optimizer))
+            self._agree_found_inf(state)
 
     def _ready_to_unscale(self, optimizer: torch.optim.Optimizer, funcname: str) -> dict:
         """The optimizer's per-iteration state; raises torch's errors when its grads were
