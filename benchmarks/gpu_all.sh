@@ -11,7 +11,9 @@
 #             benchmarks/_step_timeline.py: one step's ops, CUDA calls and kernels
 #     suite   the pytest-benchmark suites at full sizes (suite.json, for benchmarks/plot.py)
 #     all     tests, launcher, bench, then profile (default); the suite only when asked for
-# Everything goes under OUT_DIR (default: $OUT when set, else benchmarks/results/gpu), with
+# Everything goes under OUT_DIR (default: $OUT when set, else benchmarks/results/gpu; the device
+# tool handed back 8 of 17 files from $OUT in session 50: give a folder under /tmp, then put an
+# archive of it in $OUT), with
 # summary.txt: device, versions, date and each part's outcome (failed tests listed). Each part
 # has a time limit (a part cut there keeps its failures so far, counts and junit XML) and a
 # failing part does not stop the next, so a part can be re-run alone. Plots need matplotlib:
@@ -94,8 +96,8 @@ if wants profile; then
   run_part host_wait_small 60 python benchmarks/_host_wait.py --device cuda --numel 16 10000
   grep "^|" "$out/host_wait_small.log" >> "$summary"
   # and inside one step, from torch.profiler: its ops, CUDA calls and kernels (issue 15's
-  # plain GradBuckets row at 10,000 parameters, against 10 and against the fused route)
-  run_part timeline 90 bash -c 'for run in "10000 plain" "10 plain" "10000 fused"; do
+  # plain GradBuckets row at 10,000 parameters, against 1,000, 10 and the fused route)
+  run_part timeline 120 bash -c 'for run in "10000 plain" "1000 plain" "10 plain" "10000 fused"; do
       set -- $run
       python benchmarks/_step_timeline.py --device cuda "$1" "ours, $2, GradBuckets" \
         --min-us 2 || exit 1
