@@ -39,9 +39,9 @@ def test_grads_on_a_device_that_is_not_current(cuda):
 
 
 def test_the_step_waits_for_the_found_inf_copy_of_a_device_that_is_not_current(cuda):
-    """step()'s one read waits for the found_inf copy on the grads' device's stream, not on
-    the current device's: there a busy stream (a sleep before the unscale) would let the host
-    read the pinned buffer before the copy lands, and step on infinite grads."""
+    """step()'s one read waits for found_inf on the grads' device's stream, not on the
+    current device's: a read that waited only there would not wait for the busy stream (a
+    sleep before the unscale) and would step on infinite grads."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
     other = torch.device("cuda", 1)
