@@ -263,3 +263,27 @@ def test_update_writes_the_state_tensors_the_scaler_holds_now(backend, replace):
     assert_all_same(ours, theirs)
     assert our_scales == their_scales
     assert our_scales[3] == ((2.0**8, 1) if replace == "made_again" else (2.0**5, 0))
+
+
+def test_a_second_check_in_one_iteration_replaces_the_first_as_torch(backend):
+    """``_check_inf_per_device`` twice before ``step``, the inf repaired in between (a
+    Lightning-style skip check, then the step's own): torch keeps only the last record, so
+    the step runs and the scale grows; ours re-zeroes the optimizer's one flag slot rather
+    than leaving the first check's 1.0 in a slot that ``update()`` reads."""
+    results = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1),
+                   GradScaler("cpu", init_scale=2.0**10, growth_interval=1, backend=backend)):
+        params = _params(torch.float32, math.inf, (1, -1))
+        opt = torch.optim.SGD(params, lr=0.1)
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        first = _values(scaler._check_inf_per_device(opt))
+        params[1].grad[-1] = 0.0
+        second = _values(scaler._check_inf_per_device(opt))
+        scaler.step(opt)
+        scaler.update()
+        results.append((first, second, scaler.get_scale(), [p.detach() for p in params]))
+    (*theirs, their_params), (*ours, our_params) = results
+    assert ours == theirs
+    assert theirs[:2] == [[(torch.device("cpu"), 1.0)], [(torch.device("cpu"), 0.0)]]
+    assert theirs[2] == 2.0**11
+    assert_all_same(our_params, their_params)
