@@ -13,7 +13,11 @@ calls, two parts of ours (the grads' grouping, the unscale launches) and the rea
 ``--numel`` sets the parameters' mean size (4096 by default): the plain GradBuckets row's
 read waits for one kernel over every grad's bytes (at 10,000 parameters of ~4k float32
 elements, ~330 MB read and written), which a small size takes away, leaving the host work.
-On CPU (``--device cpu``, the default) the launches are no-ops (``_host_stubs.py``)."""
+On CPU (``--device cpu``, the default) the launches are no-ops (``_host_stubs.py``).
+
+The last two rows per size: the first row with its host read as before session 50
+(``EARLY_COPY_CASE``), and the first row's step over 10 parameters timed with the size's
+parameters alive beside it (``BESIDE_CASE``, a control for the first row's growth)."""
 
 from __future__ import annotations
 
@@ -35,6 +39,14 @@ CASES = [("ours, plain, GradBuckets", "ours", {"buckets": True}),
          ("ours, fused, GradBuckets", "ours", {"buckets": True, "fused": True})]
 #: the first row as it ran before session 50 (``early_host_copy``), timed beside it
 EARLY_COPY_CASE = ("ours, plain, GradBuckets, early host copy", "ours", {"buckets": True})
+#: a control for the first row's growth with the parameters (GPU run 3: 137 us at 1,000, 233
+#: at 10,000, every call 1.6-2.1x, ``scale`` too): the same step over 10 parameters, timed
+#: while the row's parameters (their scaler, GradBuckets and a step) are alive beside it. It
+#: keeping the 10-parameter time says the growth is per-parameter work of the step; it
+#: growing as the first row does, that the process's state (the parameters held) slows
+#: every call, whatever it does
+BESIDE_CASE = ("ours, plain, GradBuckets, 10 params, the row's beside", "ours",
+               {"buckets": True})
 
 
 @contextlib.contextmanager
@@ -124,8 +136,14 @@ def timed_calls(phases: list[tuple[str, list[tuple[type, str]]]]) -> Iterator[di
 
 
 def measure(n_params: int, impl: str, flags: dict, device: str, repeats: int,
-            numel: int = NUMEL) -> dict:
-    """Median seconds of the whole step and of each phase in it (``_phases``)."""
+            numel: int = NUMEL, beside: int = 0) -> dict:
+    """Median seconds of the whole step and of each phase in it (``_phases``). ``beside``:
+    that many parameters of the same case (their optimizer, scaler and grads, after one
+    step) are alive, untouched, while the ``n_params`` step is timed (``BESIDE_CASE``)."""
+    held = []
+    if beside:
+        held.append(make_step(impl, beside, device=device, numel=numel, **flags))
+        held[0][1]()
     prepare, step = make_step(impl, n_params, device=device, numel=numel, **flags)
     for _ in range(3):
         prepare()
@@ -161,10 +179,12 @@ def main(sizes: list[int], device: str, repeats: int, numel: int = NUMEL) -> Non
     print("|---|---|" + "---|" * len(labels))
     with noop_launches() if device == "cpu" else contextlib.nullcontext():
         for n in sizes:
-            for name, impl, flags in [*CASES, EARLY_COPY_CASE]:
+            for name, impl, flags in [*CASES, EARLY_COPY_CASE, BESIDE_CASE]:
                 with early_host_copy() if name == EARLY_COPY_CASE[0] else \
                         contextlib.nullcontext():
-                    us = measure(n, impl, flags, device, repeats, numel)
+                    us = measure(10, impl, flags, device, repeats, numel, beside=n) \
+                        if name == BESIDE_CASE[0] else \
+                        measure(n, impl, flags, device, repeats, numel)
                 print(f"| {n} | {name} | " + " | ".join(f"{us[label] * 1e6:.0f}"
                                                          for label in labels) + " |", flush=True)
 

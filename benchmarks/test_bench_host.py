@@ -100,16 +100,22 @@ def test_the_host_wait_script_prints_its_table(capsys, monkeypatch):
     GPU run 2) runs with no-op launches on CPU and prints a row per case; its timers count a
     nested call of the same phase once and put every method back."""
     import _host_wait
-    from _host_wait import CASES, EARLY_COPY_CASE, READS, _phases, main, timed_calls
+    from _host_wait import BESIDE_CASE, CASES, EARLY_COPY_CASE, READS, _phases, main, timed_calls
 
     from triton_scaler import GradScaler
     from triton_scaler._step import StepMixin
 
     methods = dict(vars(StepMixin))
-    main([10], "cpu", repeats=2)
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 10 | ")]
+    built = []  # make_step's parameter counts, in order
+    monkeypatch.setattr(_host_wait, "make_step",
+                        lambda impl, n, **kw: built.append(n) or make_step(impl, n, **kw))
+    main([12], "cpu", repeats=2)
+    monkeypatch.undo()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 12 | ")]
     assert [row.split(" | ")[1] for row in rows] == [name for name, _, _ in CASES] + [
-        EARLY_COPY_CASE[0]]
+        EARLY_COPY_CASE[0], BESIDE_CASE[0]]
+    # the control row: the row's 12 parameters built (and held) first, then 10 timed
+    assert built == [12] * (len(CASES) + 1) + [12, 10]
     assert dict(vars(StepMixin)) == methods  # the early-copy row's patches undone
     # params, case, whole step, the 4 calls, 2 parts of ours, the read; then the row's end
     assert len(_phases()) == 7 and all(len(row.split(" | ")) == 10 for row in rows)
@@ -142,7 +148,7 @@ def test_the_host_wait_script_takes_the_parameters_size(capsys):
     main([10], "cpu", repeats=2, numel=16)
     out = capsys.readouterr().out
     assert "parameters of ~16 elements" in out.splitlines()[0], out
-    assert sum(line.startswith("| 10 | ") for line in out.splitlines()) == 5, out
+    assert sum(line.startswith("| 10 | ") for line in out.splitlines()) == 6, out
     sizes = param_sizes(500, 16)
     assert min(sizes) == 8 and max(sizes) == 23 and sizes == param_sizes(500, 16), sizes
     assert sizes != param_sizes(500) and all(n % 36 == 0 for n in param_sizes(50, 16, True))
