@@ -6,6 +6,7 @@ naming the argument, and changes nothing. No GPU: the "other device" is ``meta``
 nothing runs."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -126,4 +127,34 @@ def test_apex_load_state_dict_names_the_keys_it_needs(backend):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}})
     with pytest.raises(ValueError, match=expected + r"\[1, 2\]$"):
         amp.load_state_dict([1, 2])
+    assert amp.state_dict() == before
+
+
+@pytest.mark.parametrize("loss_id", [-1, 2, True, 0.0, 1.5, "0"])
+def test_apex_names_a_loss_id_out_of_range_or_not_an_int(backend, loss_id):
+    """``loss_scale`` and ``scale_loss`` refuse a ``loss_id`` that is not an int in
+    [0, num_losses): -1 does not read the last loss, a bool or a float is not an index."""
+    amp = Amp(num_losses=2, backend=backend)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.5)
+    match = rf"^loss_id must be in \[0, 2\); got {re.escape(repr(loss_id))}$"
+    with pytest.raises(ValueError, match=match):
+        amp.loss_scale(loss_id)
+    with pytest.raises(ValueError, match=match):
+        with amp.scale_loss(p.sum(), opt, loss_id=loss_id):
+            pass
+    assert p.grad is None and "step" not in vars(opt)
+
+
+@pytest.mark.parametrize("state, match", [
+    (None, r"state_dict must have exactly the keys \['loss_scaler0'\] .*; got None$"),
+    ({"loss_scaler0": 5}, r"state_dict\['loss_scaler0'\] must be a dict with"),
+    ({"loss_scaler0": ["loss_scale", "unskipped"]}, r"state_dict\['loss_scaler0'\] must be a dict"),
+    ({"loss_scaler0": {"unskipped": 0}}, "'loss_scale' and 'unskipped'; got {'unskipped': 0}"),
+])
+def test_apex_load_state_dict_names_an_entry_that_is_not_a_dict_of_both(backend, state, match):
+    amp = Amp(backend=backend)
+    before = amp.state_dict()
+    with pytest.raises(ValueError, match=match):
+        amp.load_state_dict(state)
     assert amp.state_dict() == before

@@ -9,6 +9,7 @@ from _util import assert_all_same
 
 from triton_scaler import GradBuckets
 from triton_scaler.compat.apex import Amp
+from triton_scaler.diagnostics import count_host_syncs, optimizer_step_uncounted
 
 
 def _iteration(amp, params, opts, overflow, loss_id=0):
@@ -241,3 +242,52 @@ def test_several_losses_with_sparse_grads(backend):
         assert emb.weight.grad.to_dense()[:, 0].tolist() == [0.0, 2.0, 0.0, 7.0, 5.0, 0.0]
         opt.step()
         opt.zero_grad()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fused_optimizers_skip_with_no_host_read_and_keep_no_attribute(backend, fused):
+    """The step ``scale_loss`` arms: a fused optimizer is handed the flag (``found_inf``,
+    torch's protocol) and skips on the device, with no host read; a plain one reads the flag
+    once, in ``step``. Neither keeps ``grad_scale`` / ``found_inf`` or a ``step`` of ours
+    after the step."""
+    amp = Amp(init_scale=2.0**8, backend=backend)
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.Adam([p], lr=0.1, fused=fused)
+    for overflow in (False, True, False):
+        before = p.detach().clone()
+        with count_host_syncs() as counter, optimizer_step_uncounted(opt, counter):
+            with amp.scale_loss(p.sum() * (math.inf if overflow else 1.0), opt) as scaled:
+                scaled.backward()
+            opt.step()  # ours around optimizer_step_uncounted's, which pauses torch's own
+        assert counter.count == (0 if fused else 1)
+        assert torch.equal(p.detach(), before) == overflow
+        assert not {"grad_scale", "found_inf", "step"} & set(vars(opt))
+        opt.zero_grad()
+
+
+def test_the_defaults_are_apexs():
+    """apex's ``LossScaler`` defaults: one loss, a dynamic scale from 2**16, capped at 2**24,
+    doubled after a window of 2000 clean steps."""
+    amp = Amp()
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 2.0**16, "unskipped": 0}}
+    assert Amp(init_scale=2.0**30).loss_scale() == 2.0**24  # apex caps the initial scale
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.5)
+    for unskipped, scale_after in ((1998, 2.0**16), (1999, 2.0**17)):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0**16, "unskipped": unskipped}})
+        _iteration(amp, [p], [opt], overflow=False)
+        assert amp.loss_scale() == scale_after
+
+
+def test_a_grad_set_to_none_inside_scale_loss_gets_its_values_back(backend):
+    """apex's ``post_backward_models_are_masters``: a parameter whose grad is None after the
+    backward but had values set aside gets those values back; the others get the sum."""
+    amp = Amp(num_losses=2, init_scale=4.0, backend=backend)
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([a, b], lr=0.5)
+    with amp.scale_loss((a * 3.0).sum() + (b * 5.0).sum(), opt, loss_id=0) as scaled:
+        scaled.backward()
+    with amp.scale_loss((a * 7.0).sum(), opt, loss_id=1) as scaled:
+        b.grad = None  # b's values are set aside; this loss does not reach b
+        scaled.backward()
+    assert torch.equal(a.grad, torch.full((2,), 10.0)) and torch.equal(b.grad, torch.full((3,), 5.0))
