@@ -41,10 +41,9 @@ CASES = [("ours, plain, GradBuckets", "ours", {"buckets": True}),
 EARLY_COPY_CASE = ("ours, plain, GradBuckets, early host copy", "ours", {"buckets": True})
 #: a control for the first row's growth with the parameters (GPU run 3: 137 us at 1,000, 233
 #: at 10,000, every call 1.6-2.1x, ``scale`` too): the same step over 10 parameters, timed
-#: while the row's parameters (their scaler, GradBuckets and a step) are alive beside it. It
-#: keeping the 10-parameter time says the growth is per-parameter work of the step; it
-#: growing as the first row does, that the process's state (the parameters held) slows
-#: every call, whatever it does
+#: while the size's parameters (their scaler, GradBuckets, after a step) are alive beside
+#: it. If it keeps the 10-parameter time, the growth is the step's per-parameter work; if it
+#: grows as the first row does, holding the parameters slows every call
 BESIDE_CASE = ("ours, plain, GradBuckets, 10 params, the row's beside", "ours",
                {"buckets": True})
 
@@ -140,10 +139,9 @@ def measure(n_params: int, impl: str, flags: dict, device: str, repeats: int,
     """Median seconds of the whole step and of each phase in it (``_phases``). ``beside``:
     that many parameters of the same case (their optimizer, scaler and grads, after one
     step) are alive, untouched, while the ``n_params`` step is timed (``BESIDE_CASE``)."""
-    held = []
-    if beside:
-        held.append(make_step(impl, beside, device=device, numel=numel, **flags))
-        held[0][1]()
+    held = make_step(impl, beside, device=device, numel=numel, **flags) if beside else None
+    if held is not None:
+        held[1]()  # its step, then alive (untouched) until this returns
     prepare, step = make_step(impl, n_params, device=device, numel=numel, **flags)
     for _ in range(3):
         prepare()
@@ -182,9 +180,9 @@ def main(sizes: list[int], device: str, repeats: int, numel: int = NUMEL) -> Non
             for name, impl, flags in [*CASES, EARLY_COPY_CASE, BESIDE_CASE]:
                 with early_host_copy() if name == EARLY_COPY_CASE[0] else \
                         contextlib.nullcontext():
-                    us = measure(10, impl, flags, device, repeats, numel, beside=n) \
-                        if name == BESIDE_CASE[0] else \
-                        measure(n, impl, flags, device, repeats, numel)
+                    control = name == BESIDE_CASE[0]
+                    us = measure(10 if control else n, impl, flags, device, repeats, numel,
+                                 beside=n if control else 0)
                 print(f"| {n} | {name} | " + " | ".join(f"{us[label] * 1e6:.0f}"
                                                          for label in labels) + " |", flush=True)
 

@@ -301,7 +301,10 @@ def test_apex_load_state_dict_validates_before_changing(backend):
                        ({"loss_scaler0": {"loss_scale": 8.0, "unskipped": -1}}, "unskipped"),
                        ({"loss_scaler0": {"loss_scale": 2.0**30, "unskipped": 0}},
                         r"must lie in \[min_loss_scale, max_loss_scale\]"),
-                       ({"loss_scaler0": {"loss_scale": 8.0}}, "'loss_scale' and 'unskipped'")):
+                       ({"loss_scaler0": {"loss_scale": 8.0}}, "'loss_scale' and 'unskipped'"),
+                       ({"loss_scaler0": 5}, r"state_dict\['loss_scaler0'\] must be a dict"),
+                       ({"loss_scaler0": ["loss_scale", "unskipped"]},
+                        r"state_dict\['loss_scaler0'\] must be a dict")):
         with pytest.raises((TypeError, ValueError), match=match):
             amp.load_state_dict({**good, **bad})
         assert amp.state_dict() == good
@@ -322,6 +325,12 @@ def test_apex_load_state_dict_validates_before_changing(backend):
     (lambda: deepspeed.LossScaler(2**200), ValueError, "scale must be a finite number > 0"),
     (lambda: deepspeed.DynamicLossScaler(raise_error_at_min_scale=1), TypeError,
      "raise_error_at_min_scale must be a bool"),
+    (lambda: deepspeed.LossScaler(backend="gpu"), ValueError, "backend must be one of"),
+    (lambda: deepspeed.DynamicLossScaler(backend="gpu"), ValueError, "backend must be one of"),
+    (lambda: mindspore.StaticLossScaler(2.0, backend="gpu"), ValueError,
+     "backend must be one of"),
+    (lambda: mindspore.DynamicLossScaler(2.0, 2, 5, backend="gpu"), ValueError,
+     "backend must be one of"),
 ])
 def test_peer_adapters_check_early_with_their_own_names(build, error, match):
     with pytest.raises(error, match=match):

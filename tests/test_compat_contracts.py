@@ -1,6 +1,7 @@
 """What the peers' classes (DeepSpeed, Megatron, MindSpore) expose beyond their update rule:
 the defaults of the peers' signatures, the attributes their callers read, and the refusal of
-each malformed flag or state entry with a ``TypeError`` naming it. Each test here kills
+each malformed flag or state entry with a ``TypeError`` naming it (the constructors' argument
+checks are in ``test_bad_input.py``). Each test here kills
 mutants of ``triton_scaler/compat`` that the rule's own tests left alive (session 51)."""
 
 import re
@@ -26,15 +27,6 @@ def test_deepspeed_defaults_and_attributes_are_deepspeeds():
                                          dtype=torch.bfloat16)
     assert (custom.scale_window, custom.min_scale, custom.delayed_shift) == (7, 2.0, 3)
     assert custom.consecutive_hysteresis is True and custom.dtype is torch.bfloat16
-
-
-@pytest.mark.parametrize("make", [lambda: deepspeed.LossScaler(backend="gpu"),
-                                  lambda: deepspeed.DynamicLossScaler(backend="gpu"),
-                                  lambda: mindspore.StaticLossScaler(2.0, backend="gpu"),
-                                  lambda: mindspore.DynamicLossScaler(2.0, 2, 5, backend="gpu")])
-def test_deepspeed_and_mindspore_scalers_check_the_backend_at_construction(make):
-    with pytest.raises(ValueError, match="backend must be one of 'auto', 'reference', 'triton'"):
-        make()
 
 
 def test_deepspeed_backward_frees_the_graph_unless_asked_to_retain_it():
