@@ -1,0 +1,139 @@
+"""The host side of a launch (``kernels/plan.py``), on its own: the chunk table's rows, its
+caches, the grads it leaves out (empty ones, aliases) and the flat path of a single grad.
+
+The kernels' results over these plans are tested against torch's op elsewhere
+(``test_ops_unscale.py``, ``test_overlapping_grads.py``); a plan with a chunk too many (of
+negative length) or a table built anew each step would still give those results, so the
+rows and the caches are checked here, against a table written out in Python. CPU tensors:
+a plan is host work (only its upload differs on a GPU)."""
+
+import pytest
+import torch
+import triton
+from triton_scaler.kernels import plan
+
+BLOCK = 4
+
+
+@pytest.fixture(autouse=True)
+def no_kept_tables():
+    """No table or size pattern of an earlier test: freed grads leave their addresses to
+    this test's, whose calls would find that test's tables."""
+    plan._tables.clear()
+    plan._chunk_patterns.clear()
+    yield
+    plan._tables.clear()
+    plan._chunk_patterns.clear()
+
+
+def _expected_rows(grads: list[torch.Tensor], block: int) -> list[list[int]]:
+    """Every grad's chunks in the grads' order: start (elements from ``grads[0]``, negative
+    below it) and length, every chunk but a grad's last ``block`` long."""
+    base, size = grads[0].data_ptr(), grads[0].element_size()
+    rows = []
+    for g in grads:
+        start = (g.data_ptr() - base) // size
+        rows += [[start + k, min(block, g.numel() - k)] for k in range(0, g.numel(), block)]
+    return rows
+
+
+def _views(buffer: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    return [buffer[start:start + n] for start, n in spans]
+
+
+# sizes one short of a block, a block, one over, a single element, several blocks and a bit;
+# the first grad lies above the others (negative starts)
+SPANS = [(40, BLOCK - 1), (0, BLOCK), (5, BLOCK + 1), (11, 1), (13, 3 * BLOCK + 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_rows_are_every_grads_chunks(dtype):
+    grads = _views(torch.zeros(64, dtype=dtype), SPANS)
+    numels = tuple(n for _, n in SPANS)
+    table, overlapping = plan.chunk_table(grads, numels, BLOCK)
+    assert table.dtype == torch.int64 and table.shape == (1 + 1 + 2 + 1 + 4, 2)
+    assert table.tolist() == _expected_rows(grads, BLOCK)
+    assert overlapping is False
+
+
+def test_a_repeated_layout_gets_the_same_table_and_new_addresses_the_same_pattern():
+    """The same addresses: the table itself, not one built anew. Other addresses, the same
+    sizes: a new table from the same size pattern (``_chunks``), with the new starts."""
+    buffer = torch.zeros(128)
+    grads = _views(buffer, SPANS)
+    numels = tuple(n for _, n in SPANS)
+    table, _ = plan.chunk_table(grads, numels, BLOCK)
+    assert plan.chunk_table(grads, numels, BLOCK)[0] is table
+    assert plan.chunk_table(grads, numels, BLOCK, tuple(g.data_ptr() for g in grads))[0] is table
+    pattern = plan._chunks(numels, BLOCK)
+    assert plan._chunks(numels, BLOCK) is pattern
+    moved = _views(buffer, [(start + 64, n) for start, n in SPANS])
+    other, _ = plan.chunk_table(moved, numels, BLOCK)
+    assert other is not table and other.tolist() == _expected_rows(moved, BLOCK)
+    assert plan._chunks(numels, BLOCK) is pattern and len(plan._chunk_patterns) == 1
+    assert len(plan._tables) == 2
+
+
+def test_grads_at_one_address_are_chunked_once_at_the_larger_size():
+    buffer = torch.zeros(32)
+    grads = [buffer[:3], buffer[10:12], buffer[:7], buffer[10:11]]
+    table, overlapping = plan.chunk_table(grads, (3, 2, 7, 1), BLOCK)
+    assert table.tolist() == _expected_rows([buffer[:7], buffer[10:12]], BLOCK)
+    assert overlapping is False
+
+
+def test_grads_sharing_part_of_their_memory_are_flagged():
+    buffer = torch.zeros(32)
+    _, overlapping = plan.chunk_table([buffer[:8], buffer[7:9]], (8, 2), BLOCK)
+    assert overlapping is True
+    _, overlapping = plan.chunk_table([buffer[:8], buffer[8:10]], (8, 2), BLOCK)
+    assert overlapping is False
+
+
+def test_a_single_grad_is_one_flat_launch():
+    for n in (1, BLOCK - 1, BLOCK, 3 * BLOCK + 1):
+        p = plan.build_plan([torch.zeros(n)], None, None, BLOCK)
+        assert (p.table, p.n, p.grid, p.base_index) == (None, n, triton.cdiv(n, BLOCK), 0)
+
+
+def test_empty_grads_are_left_out_and_the_base_is_the_first_non_empty():
+    buffer = torch.zeros(64)
+    empty = torch.zeros(0)
+    lone = plan.build_plan([empty, buffer[3:9], empty], None, None, BLOCK)
+    assert (lone.table, lone.n, lone.grid, lone.base_index) == (None, 6, 2, 1)
+    assert lone.base.data_ptr() == buffer[3:].data_ptr()
+    grads = [empty, empty, buffer[5:10], empty, buffer[20:29]]
+    many = plan.build_plan(grads, None, None, BLOCK)
+    assert many.base_index == 2 and many.base.data_ptr() == buffer[5:].data_ptr()
+    assert many.table.tolist() == _expected_rows([buffer[5:10], buffer[20:29]], BLOCK)
+    assert many.grid == many.table.shape[0] == 2 + 3 and many.n == 0
+    none = plan.build_plan([empty, empty], None, None, BLOCK)
+    assert (none.base, none.table, none.n, none.grid) == (None, None, 0, 0)
+
+
+def test_dense_non_contiguous_grads_need_no_copy_and_gapped_ones_do():
+    """channels_last and transposed grads are chunked over their memory as it lies; a grad
+    with gaps is unscaled through a contiguous copy, and the plan cannot be kept."""
+    channels_last = torch.zeros(2, 3, 2, 2).to(memory_format=torch.channels_last)
+    transposed = torch.zeros(3, 5).t()
+    dense = plan.build_plan([channels_last, transposed], None, None, BLOCK)
+    assert not dense.contiguous and dense.copies == [] and dense.reusable
+    assert dense.table.tolist() == _expected_rows(
+        [channels_last.as_strided((24,), (1,)), transposed.as_strided((15,), (1,))], BLOCK)
+    gapped = torch.zeros(4, 6)[:, :3]
+    copied = plan.build_plan([channels_last, gapped], None, None, BLOCK)
+    assert len(copied.copies) == 1 and copied.copies[0][0] is gapped
+    assert not copied.reusable and copied.table.shape[0] == 6 + 3
+
+
+def test_aliased_grads_beside_a_copied_one_are_not_sharing_memory():
+    """Grads at one address (``p2.grad = p1.grad``) are unscaled once, also when another grad
+    of the launch goes through a copy: only grads that start inside another share memory."""
+    buffer = torch.zeros(64)
+    gapped = torch.zeros(4, 6)[:, :3]
+    aliased = plan.build_plan([buffer[:8], buffer[:8], gapped], None, None, BLOCK)
+    assert len(aliased.copies) == 1 and not aliased.overlapping
+    shared = plan.build_plan([buffer[:8], buffer[2:4], gapped], None, None, BLOCK)
+    assert shared.overlapping
+    inside = plan.build_plan([buffer[:8], buffer[2:4].expand(2, 2)], None, None, BLOCK)
+    assert inside.overlapping  # the copied grad's memory lies inside the first grad's
