@@ -58,26 +58,31 @@ def _launch(kernel, x, n=5, flag=True):
     launcher.launch(kernel, 3, (x,), (n,), {"FLAG": flag, "BLOCK": 64}, {"num_warps": 4})
 
 
-def _set_launch_hook(monkeypatch, hook) -> None:
-    """``hook`` as triton's launch enter hook for one test: its ``HookChain``'s calls
-    (triton 3.6, 3.9) replaced by a new list (the chain's own list is left as it is, so no
-    hook stays behind for later launches), else the hook set."""
+def _set_launch_hook(monkeypatch, hook, on_exit: bool = False) -> None:
+    """``hook`` as triton's launch enter hook (exit hook: ``on_exit``) for one test: its
+    ``HookChain``'s calls (triton 3.6, 3.9) replaced by a new list (the chain's own list is
+    left as it is, so no hook stays behind for later launches), else the hook set."""
     hooks = launcher.knobs.runtime
-    chain = hooks.launch_enter_hook
+    name = "launch_exit_hook" if on_exit else "launch_enter_hook"
+    chain = getattr(hooks, name)
     if hasattr(chain, "calls"):
         monkeypatch.setattr(chain, "calls", [hook])
     else:
-        monkeypatch.setattr(hooks, "launch_enter_hook", hook)
+        monkeypatch.setattr(hooks, name, hook)
 
 
-@pytest.mark.parametrize("hooked", [False, True], ids=["no_hook", "hook_set"])
+def test_the_direct_launcher_is_on_by_default(request):
+    assert launcher.DIRECT is not request.config.getoption("--triton-launch")
+
+
+@pytest.mark.parametrize("hooked", [False, True, "exit"], ids=["no_hook", "hook_set", "exit_hook"])
 def test_a_repeated_launch_calls_the_compiled_launcher(direct, monkeypatch, hooked):
     """... with each tensor as its address (the launcher takes an int pointer as it is: no
     ``data_ptr`` call, no driver query). With a launch hook set (a profiler's), the hooks and
     their metadata made from the tensors themselves, as Triton's ``run`` passes them; with
     none (the default: empty hook chains), no hook and no metadata."""
     if hooked:
-        _set_launch_hook(monkeypatch, lambda metadata: None)
+        _set_launch_hook(monkeypatch, lambda metadata: None, hooked == "exit")
     kernel, x = _Kernel(), torch.zeros(8)
     _launch(kernel, x)
     assert kernel.launches == [((3,), (x, 5), {"FLAG": True, "BLOCK": 64, "num_warps": 4})]
@@ -153,6 +158,21 @@ def test_any_other_launch_goes_through_triton(direct, monkeypatch, change):
         monkeypatch.setattr(launcher, "_current_device", lambda: 1)
         _launch(kernel, x)
     assert len(kernel.launches) == 2 and not kernel.runs
+
+
+def test_hooks_that_are_none_or_empty_chains_are_no_hooks():
+    assert launcher._no_hook(None) and launcher._no_hook(type("Chain", (), {"calls": []})())
+    assert not launcher._no_hook(print)
+    assert not launcher._no_hook(type("Chain", (), {"calls": [print]})())
+
+
+def test_clear_forgets_every_launch(direct):
+    kernel, x = _Kernel(), torch.zeros(8)
+    _launch(kernel, x)
+    _launch(kernel, x)
+    launcher.clear()
+    _launch(kernel, x)
+    assert len(kernel.launches) == 2 and len(kernel.runs) == 1
 
 
 def test_off_and_interpreted_launches_always_go_through_triton(direct, monkeypatch):
