@@ -166,6 +166,36 @@ def test_grads_that_need_copies_are_planned_every_call(triton_device, plans):
     assert len(plans) == 4
 
 
+def test_a_gapped_grad_in_one_dtype_keeps_the_other_dtypes_launches_unstored(triton_device,
+                                                                              plans):
+    """A list whose first dtype's launch needs a copy and whose second's does not: no plan of
+    the list is kept (a kept one would read the gapped grad's memory as if dense)."""
+    buffer = torch.empty(2 * 301, device=triton_device)
+    half = torch.empty(517, device=triton_device, dtype=torch.float16)
+    gapped = buffer.as_strided((301,), (2,))
+    for call in range(4):
+        _fill([buffer, half], seed=call)
+        if call == 3:
+            gapped[-1] = math.nan
+        assert _unscale_as_torch([gapped, half]) == (call == 3)
+    assert plans == [1, 1] * 4 and _ops_plans._stored == []
+
+
+def test_without_tensor_guards_no_plan_is_kept(triton_device, plans, monkeypatch):
+    """A torch without ``TensorGuards`` (``tensor_guards`` gives None): the second call at the
+    same addresses forgets the first's plans, the third stores them again (without a guard,
+    never launched from), and every call plans."""
+    monkeypatch.setattr(_ops_plans, "tensor_guards", lambda grads: None)
+    grads = [torch.empty(n, device=triton_device) for n in (7, 4099)]
+    for call in range(4):
+        _fill(grads, seed=call)
+        if call == 3:
+            grads[0][0] = -math.inf
+        assert _unscale_as_torch(grads) == (call == 3)
+        assert len(_ops_plans._stored) == (call % 2 == 0)
+    assert plans == [2] * 4
+
+
 def test_a_sparse_grad_among_stored_ones_is_refused(triton_device, plans):
     grads = [torch.ones(5, device=triton_device), torch.ones(7, device=triton_device)]
     for _ in range(3):
