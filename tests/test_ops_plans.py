@@ -181,7 +181,7 @@ def test_a_gapped_grad_in_one_dtype_keeps_the_other_dtypes_launches_unstored(tri
     assert plans == [1, 1] * 4 and _ops_plans._stored == []
 
 
-def test_without_tensor_guards_no_plan_is_kept(triton_device, plans, monkeypatch):
+def test_without_tensor_guards_no_stored_plan_is_launched(triton_device, plans, monkeypatch):
     """A torch without ``TensorGuards`` (``tensor_guards`` gives None): the second call at the
     same addresses forgets the first's plans, the third stores them again (without a guard,
     never launched from), and every call plans."""
