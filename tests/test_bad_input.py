@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from triton_scaler import GradBuckets, GradScaler, MinScaleReachedError, ScalePolicy, ops
-from triton_scaler.compat import apex, deepspeed, mindspore
 
 
 def _trained(backend, **kwargs):
@@ -258,83 +257,6 @@ def test_a_saved_and_loaded_model_can_get_new_buckets():
         assert len(GradBuckets(torch.optim.SGD(copied.parameters(), lr=0.1))) == 1
     with pytest.raises(ValueError, match="already belongs to other GradBuckets"):
         GradBuckets(torch.optim.SGD(model.parameters(), lr=0.1))
-
-
-# ------------------------------------------------------------ peer adapters
-def test_apex_state_before_first_use_and_static_scales(backend):
-    amp = apex.Amp(backend=backend, scale_window=5)
-    amp.load_state_dict({"loss_scaler0": {"loss_scale": 512.0, "unskipped": 3}})
-    assert amp.loss_scale() == 512.0
-    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 512.0, "unskipped": 3}}
-    p = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([p], lr=0.1)
-    with amp.scale_loss(p.sum(), opt) as scaled:
-        scaled.backward()
-    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 512.0, "unskipped": 4}}
-    static = apex.Amp(loss_scale=2**30, backend=backend)  # apex ignores max_loss_scale here
-    assert static.loss_scale() == 2.0**30
-
-
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(scale_window=0), ValueError, "scale_window must be an int >= 1"),
-    (dict(min_loss_scale=-1.0), ValueError, "min_loss_scale must be finite and >= 0"),
-    (dict(max_loss_scale="x"), TypeError, "max_loss_scale must be a real number"),
-    (dict(init_scale=math.nan), ValueError, "init_scale must be a finite number"),
-    (dict(loss_scale="static"), ValueError, "loss_scale must be 'dynamic' or a number"),
-    (dict(loss_scale=0.0), ValueError, "loss_scale must be a finite number > 0"),
-    (dict(num_losses=0), ValueError, "num_losses must be an int >= 1"),
-    (dict(backend="gpu"), ValueError, "backend must be one of"),
-    (dict(init_scale=0.125, min_loss_scale=0.25), ValueError,  # apex's names for the bounds
-     re.escape("init_scale must lie in [min_loss_scale, max_loss_scale] = [0.25, 16777216.0]")),
-    (dict(min_loss_scale=8.0, max_loss_scale=4.0), ValueError,
-     "min_loss_scale must be <= max_loss_scale"),
-])
-def test_apex_checks_its_arguments_at_construction(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        apex.Amp(**kwargs)
-
-
-def test_apex_load_state_dict_validates_before_changing(backend):
-    amp = apex.Amp(backend=backend, num_losses=2)
-    good = amp.state_dict()
-    for bad, match in (({"loss_scaler0": {"loss_scale": "x", "unskipped": 0}}, "must be a real"),
-                       ({"loss_scaler0": {"loss_scale": 8.0, "unskipped": -1}}, "unskipped"),
-                       ({"loss_scaler0": {"loss_scale": 2.0**30, "unskipped": 0}},
-                        r"must lie in \[min_loss_scale, max_loss_scale\]"),
-                       ({"loss_scaler0": {"loss_scale": 8.0}}, "'loss_scale' and 'unskipped'"),
-                       ({"loss_scaler0": 5}, r"state_dict\['loss_scaler0'\] must be a dict"),
-                       ({"loss_scaler0": ["loss_scale", "unskipped"]},
-                        r"state_dict\['loss_scaler0'\] must be a dict")):
-        with pytest.raises((TypeError, ValueError), match=match):
-            amp.load_state_dict({**good, **bad})
-        assert amp.state_dict() == good
-
-
-@pytest.mark.parametrize("build, error, match", [
-    (lambda: mindspore.StaticLossScaler("2"), TypeError, "scale_value must be a real number"),
-    (lambda: mindspore.StaticLossScaler(True), TypeError, "scale_value must be a real number"),
-    (lambda: mindspore.DynamicLossScaleManager("x"), TypeError, "init_loss_scale must be a real"),
-    (lambda: mindspore.DynamicLossScaleManager(2.0**24, scale_window=0), ValueError,
-     "scale_window must be an int >= 1"),
-    (lambda: mindspore.FixedLossScaleManager(128.0, drop_overflow_update="no"), TypeError,
-     "drop_overflow_update must be a bool"),
-    (lambda: mindspore.FixedLossScaleManager(0.5), ValueError, "loss_scale must be a finite"),
-    (lambda: deepspeed.DynamicLossScaler(init_scale=0), ValueError,
-     "init_scale must be a finite number > 0"),
-    (lambda: deepspeed.LossScaler("abc"), TypeError, "scale must be a real number"),
-    (lambda: deepspeed.LossScaler(2**200), ValueError, "scale must be a finite number > 0"),
-    (lambda: deepspeed.DynamicLossScaler(raise_error_at_min_scale=1), TypeError,
-     "raise_error_at_min_scale must be a bool"),
-    (lambda: deepspeed.LossScaler(backend="gpu"), ValueError, "backend must be one of"),
-    (lambda: deepspeed.DynamicLossScaler(backend="gpu"), ValueError, "backend must be one of"),
-    (lambda: mindspore.StaticLossScaler(2.0, backend="gpu"), ValueError,
-     "backend must be one of"),
-    (lambda: mindspore.DynamicLossScaler(2.0, 2, 5, backend="gpu"), ValueError,
-     "backend must be one of"),
-])
-def test_peer_adapters_check_early_with_their_own_names(build, error, match):
-    with pytest.raises(error, match=match):
-        build()
 
 
 @pytest.mark.parametrize("version", ["3.2.0", "3.0.0", "2.3.1"])

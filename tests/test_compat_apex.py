@@ -291,3 +291,17 @@ def test_a_grad_set_to_none_inside_scale_loss_gets_its_values_back(backend):
         b.grad = None  # b's values are set aside; this loss does not reach b
         scaled.backward()
     assert torch.equal(a.grad, torch.full((2,), 10.0)) and torch.equal(b.grad, torch.full((3,), 5.0))
+
+
+def test_apex_state_before_first_use_and_static_scales(backend):
+    amp = Amp(backend=backend, scale_window=5)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 512.0, "unskipped": 3}})
+    assert amp.loss_scale() == 512.0
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 512.0, "unskipped": 3}}
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with amp.scale_loss(p.sum(), opt) as scaled:
+        scaled.backward()
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 512.0, "unskipped": 4}}
+    static = Amp(loss_scale=2**30, backend=backend)  # apex ignores max_loss_scale here
+    assert static.loss_scale() == 2.0**30

@@ -1,9 +1,9 @@
 """The update kernel's bookkeeping on its own (``kernels/update.py`` ``bind_update_scale``):
 the scaler's whole ``update()`` in one launch records the skipped step, zeroes the flags for
 the next iteration and, static, leaves the scale. The scale / tracker math is tested against
-torch's op in ``test_ops_update.py``; through the scalers, the bookkeeping is compared with
-torch's scaler there, where a record left out or flags never zeroed could hide behind the
-host-side state. Here each piece is asked for, and left out, on its own."""
+torch's op in ``test_ops_update.py``, and the scalers against torch's scaler, where a record
+left out or flags never zeroed can hide behind the host-side state (mutation testing: each
+passed). Here each piece is asked for, and left out, on its own."""
 
 import math
 
@@ -60,12 +60,12 @@ def test_each_piece_of_the_update_on_its_own(triton_device, launched_tensors, fl
                                              record, reset, dynamic):
     s = _state(triton_device, flags)
     before = {k: v.clone() for k, v in s.items()}
-    update = bind_update_scale(
+    bound = bind_update_scale(
         s["scale"], s["growth_tracker"], s["found_inf"], s["params"], None, False,
         dynamic=dynamic, skipped=s["skipped"] if record else None,
         skipped_count=s["skipped_count"] if record else None, reset_found=reset)
     assert_same(s["scale"], before["scale"])  # binding launches nothing
-    update()
+    bound()
     assert len(launched_tensors) == 1
     assert all(isinstance(t, torch.Tensor) for t in launched_tensors[0])
     grown = torch.tensor(16.0), torch.tensor(0, dtype=torch.int32)  # the interval reached
