@@ -168,6 +168,25 @@ def test_check_only_leaves_grads_untouched(backend, dtype):
     assert grads[1][-1].item() == -math.inf
 
 
+@pytest.mark.parametrize("dtype, value, inv", [(torch.float16, 60000.0, 2.0),
+                                               (torch.bfloat16, 2.0**127, 1.999)])
+def test_the_check_flags_the_float32_product_not_its_rounding_to_the_grads_dtype(
+        backend, dtype, value, inv):
+    """A fused optimizer unscales in float32: a half-precision grad whose product with
+    inv_scale is finite in float32 but overflows the grad's dtype passes the check (a planted
+    value after BLOCK + 2 elements, in a full block), while the unscale, which stores the
+    product in the grad's dtype, flags it."""
+    inv = torch.tensor(inv)
+    product = torch.tensor(value) * inv
+    assert product.isfinite() and not product.to(dtype).isfinite()  # the case this is
+    grads = _grads([3, 2 * BLOCK + 2], dtype)
+    grads[1][BLOCK + 2] = value
+    found = torch.zeros(())
+    ops.non_finite_check_(grads, found, inv, backend=backend)
+    assert found.item() == 0.0
+    assert _run(grads, inv, backend).item() == 1.0
+
+
 def test_all_finite(backend):
     grads = _grads([10, 0, BLOCK + 1], torch.float16)
     flag = all_finite(grads, backend=backend)

@@ -68,6 +68,28 @@ def test_ops_triton_refuses_to_write_it_and_changes_nothing(triton_device, where
     assert found.item() == 0.0
 
 
+@pytest.mark.parametrize("kind", ["own_elements", "two_grads"])
+def test_the_kernels_launcher_itself_refuses_to_write_it(triton_device, kind):
+    """``launch_unscale`` (kernels/unscale.py) refuses a write on its own, not only behind
+    the ops' check, before any grad changes; its read-only check reads the same grads."""
+    from triton_scaler.kernels.unscale import launch_unscale
+
+    grad, base = _overlapping(device=triton_device)
+    buffer = torch.full((9,), 4.0, device=triton_device)
+    grads = [grad, buffer[:3]] if kind == "own_elements" else [buffer[:6], buffer[2:]]
+    snapshot = [base.clone(), buffer.clone()]
+    inv = torch.full((), 0.5, device=triton_device)
+    found = torch.zeros((), device=triton_device)
+    with pytest.raises(RuntimeError, match=OVERLAP if kind == "own_elements" else SHARED):
+        launch_unscale(grads, found, inv)
+    assert_all_same([base, buffer], snapshot)
+    grads[-1][-1] = math.inf  # the last element of the last grad
+    planted = buffer.clone()
+    launch_unscale(grads, found, inv, write=False)
+    assert found.item() == 1.0
+    assert_all_same([base, buffer], [snapshot[0], planted])
+
+
 def test_ops_reference_is_torchs_op():
     grad, base = _overlapping()
     theirs, their_base = _overlapping()
