@@ -170,17 +170,22 @@ def test_every_variant_keeps_half_an_sm_busy(ptx_facts):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
-def test_gpu_launches_use_the_warps_the_probe_compiles_with(monkeypatch, dtype):
-    """What a GPU launch passes as options is what these tests compiled: 8 warps, float64 16
-    (its 8-warp variants took up to 66 registers and spilled with triton 3.8's ptxas)."""
+def test_gpu_launches_pass_what_the_probe_compiles(monkeypatch, dtype):
+    """What a GPU launch passes is what these tests compiled: 8 warps, float64 16 (its 8-warp
+    variants took up to 66 registers and spilled with triton 3.8's ptxas), no FMA fusion, the
+    GPU block (the plan cut in it too) and 16-byte vectors."""
     import torch
     from triton_scaler.kernels import unscale
 
     seen = []
     monkeypatch.setattr(unscale, "_INTERPRETED", False)
-    monkeypatch.setattr(unscale, "launch", lambda *args: seen.append(args[-1]))
-    grads = [torch.ones(5, dtype=getattr(torch, dtype)), torch.ones(3, dtype=getattr(torch, dtype))]
+    monkeypatch.setattr(unscale, "launch", lambda *args: seen.append(args[1:2] + args[-2:]))
+    sizes = (5, unscale.GPU_BLOCK + 3)  # 1 + 2 programs of the GPU block
+    grads = [torch.ones(n, dtype=getattr(torch, dtype)) for n in sizes]
     for norm, coef in ((0, None), (2, None), (0, torch.ones(()))):
         unscale.launch_unscale(grads, torch.zeros(()), torch.ones(()), norm=norm, clip_coef=coef)
     warps = unscale.GPU_NUM_WARPS_FP64 if dtype == "float64" else unscale.GPU_NUM_WARPS
-    assert seen == [{"num_warps": warps, "enable_fp_fusion": False}] * 3
+    assert [options for *_, options in seen] == [{"num_warps": warps, "enable_fp_fusion": False}] * 3
+    vec = 16 // grads[0].element_size()
+    assert [(grid, c["BLOCK"], c["VEC"], c["BF16_BITS"]) for grid, c, _ in seen] == \
+        [(3, unscale.GPU_BLOCK, vec, False)] * 3
