@@ -28,10 +28,15 @@ def _zeros(device):
     return torch.zeros((), device=device)
 
 
+def _kernel_block() -> int:
+    """The block launch_unscale launches the kernel with (not the plan's, which is tested)."""
+    return unscale.INTERPRETER_BLOCK if unscale.is_interpreting() else unscale.GPU_BLOCK
+
+
 def test_a_plan_is_cut_in_the_blocks_the_kernel_is_launched_with(triton_device):
     """One program per block of the kernel: a plan cut finer would launch more programs than
     needed, one cut coarser would leave elements unread on a GPU."""
-    block = unscale.INTERPRETER_BLOCK if unscale.is_interpreting() else unscale.GPU_BLOCK
+    block = _kernel_block()
     for sizes in ([3 * block + 5], [block, 1, 2 * block - 1]):
         grads = _grads(sizes, torch.float32, triton_device)
         expected = sum(triton.cdiv(n, block) for n in sizes)
@@ -70,7 +75,7 @@ def test_no_elements_give_nothing_or_a_zero_norm_of_the_grads_precision(triton_d
 def test_the_norm_is_summed_in_the_grads_precision(triton_device, dtype, norm_type):
     """The partials of several blocks, reduced in float32 (float64 for float64 grads), as
     returned to clip_grad_norm_: a float64 sum of float32 partials differs in the last bits."""
-    block = unscale.INTERPRETER_BLOCK if unscale.is_interpreting() else unscale.GPU_BLOCK
+    block = _kernel_block()
     grads = _grads([3 * block + 5, 11], dtype, triton_device, seed=3)
     inv = torch.tensor(1 / 3.0, device=triton_device)
     norm = launch_unscale(grads, _zeros(triton_device), inv, write=False, norm=norm_type)
