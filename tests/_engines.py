@@ -16,6 +16,7 @@ ENGINES = ("fsdp2", "fsdp2_fused", "fsdp2_mixed_precision", "ddp", "ddp_bucket_v
 MESH_ENGINES = ("fsdp2_hsdp", "fsdp2_tp")
 INJECTIONS = ("loss", "grad")  # inf in rank 1's loss (spread by the engine) / in its own grad
 OVERFLOW_STEPS = (2, 5)
+PLANTED_RANKS = ((), (1,), (0, 1))  # the ranks holding an inf in ops_on_dtensor_grads
 STEPS = 8
 
 
@@ -204,7 +205,7 @@ def run(rank, world_size, store_file, backend, engines, out_dir):
     try:
         results = {}
         train_each(results, engines, ("torch", "ours"), backend, rank)
-        for planted in (False, True):
+        for planted in PLANTED_RANKS:
             attempt(results, ("ops_dtensor", planted), ops_on_dtensor_grads, backend, rank,
                     planted)
         attempt(results, "dtensor_of_a_subclass", a_dtensor_of_a_subclass, backend, rank)
@@ -227,8 +228,9 @@ def train_each(results: dict, engines, kinds, backend, rank) -> None:
 def ops_on_dtensor_grads(backend, rank, planted):
     """The public ops on DTensor grads over the 2 ranks: sharded ones of odd sizes (rank 1's
     shard of the 1-element grad is empty), then a replicated one, which is agreed over no
-    dimension and must not undo the agreement the sharded ones need; when ``planted``, rank 1
-    alone holds an inf, at the last element of its shard of the last sharded grad. Ours and
+    dimension and must not undo the agreement the sharded ones need; the ranks in ``planted``
+    (one of :data:`PLANTED_RANKS`) hold an inf, at the last element of their shard of the last
+    sharded grad (on both ranks, a MAX agreement gives 1, not the 2 a sum would). Ours and
     torch's op (which agrees over the mesh through DTensor dispatch) on copies: found_inf and
     local grads of each, for the unscale, the check (grads untouched) and ``all_finite``."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -242,7 +244,7 @@ def ops_on_dtensor_grads(backend, rank, planted):
 
     def grads():
         made = [distribute_tensor(t.clone(), mesh, [p]) for t, p in zip(full, placements)]
-        if planted and rank == 1:
+        if rank in planted:
             made[-2]._local_tensor.view(-1)[-1] = math.inf
         return made
 

@@ -2,7 +2,7 @@
 FSDP2 as HSDP (replicate x shard) and tensor parallel x FSDP2: training against torch's scaler,
 the fused clip against torch's clip of DTensors, every extension setting; DTensor grads with
 different placements on the 2-D mesh: the clip's norm and the overflow agreement (see
-``first_grad_replicated``)."""
+``first_grad_replicated`` and ``ops_sharded_on_one_dimension``)."""
 
 import math
 import os
@@ -52,6 +52,34 @@ def first_grad_replicated(kind, backend, rank):
     return scaler.get_scale(), all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+def ops_sharded_on_one_dimension(backend, rank, dim):
+    """One DTensor grad on the (dp, tp) mesh sharded over ``dim`` alone (replicated over the
+    other), an inf in rank 3's shard: torch's op (under DTensor dispatch) and ours, unscale and
+    check, agree over ``dim``'s group only, so only the ranks sharing rank 3's group see it
+    (dp: ranks 1 and 3; tp: ranks 2 and 3). Returns found_inf of torch's op, ours, our check."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from triton_scaler import ops
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    placements = [Shard(0), Replicate()] if dim == "dp" else [Replicate(), Shard(1)]
+    full = torch.randn(4, 6, generator=torch.Generator().manual_seed(4))
+
+    def grads():
+        grad = distribute_tensor(full.clone(), mesh, placements)
+        if rank == 3:
+            grad._local_tensor.view(-1)[-1] = math.inf
+        return [grad]
+
+    inv_scale = torch.full((), 0.5)
+    found = [torch.zeros(()) for _ in range(3)]
+    torch._amp_foreach_non_finite_check_and_unscale_(grads(), found[0], inv_scale)
+    ops.non_finite_check_and_unscale_(grads(), found[1], inv_scale, backend=backend)
+    ops.non_finite_check_(grads(), found[2], inv_scale, backend=backend)
+    return found
+
+
 def run_mesh(rank, world_size, store_file, backend, out_dir):
     init_group(rank, world_size, store_file)
     try:
@@ -69,6 +97,9 @@ def run_mesh(rank, world_size, store_file, backend, out_dir):
             for kind in ("torch", "ours"):
                 results["mixed", norm_type, kind] = mixed_placements(kind, backend, norm_type,
                                                                      (2, 2))
+        for dim in ("dp", "tp"):
+            attempt(results, ("sharded_on_one", dim), ops_sharded_on_one_dimension, backend,
+                    rank, dim)
         for kind in ("torch", "ours"):
             attempt(results, ("first_grad_replicated", kind), first_grad_replicated, kind,
                     backend, rank)

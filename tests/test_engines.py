@@ -20,6 +20,7 @@ from _engines import (
     INJECTIONS,
     MESH_ENGINES,
     OVERFLOW_STEPS,
+    PLANTED_RANKS,
     run,
 )
 from _engines_clip import CLIP_CASES, CLIP_ENGINES, run_clip, run_clip_engines
@@ -91,20 +92,21 @@ def test_grad_buckets_with_the_engines(backend, tmp_path):
         assert theirs[4][1] == [False, False, True, True, True, True]  # none used the branches
 
 
-@pytest.mark.parametrize("planted", [False, True])
+@pytest.mark.parametrize("planted", PLANTED_RANKS, ids=["none", "rank-1", "both-ranks"])
 def test_the_ops_agree_over_the_mesh_of_dtensor_grads(backend, planted, tmp_path_factory):
     """The public ops on DTensor grads (sharded, odd sizes, an empty shard, one replicated):
     as torch's op under DTensor dispatch, an inf in rank 1's shard alone sets found_inf on
-    both ranks, and the local grads are torch's bit for bit (``_engines.ops_on_dtensor_grads``)."""
+    both ranks, an inf on both ranks sets it to exactly 1 (a MAX, not a sum), and the local
+    grads are torch's bit for bit (``_engines.ops_on_dtensor_grads``)."""
     for rank, results in enumerate(_engine_results(backend, "fsdp2", tmp_path_factory)):
         case = results["ops_dtensor", planted]
         assert "error" not in case, f"rank {rank}: {case}"
         found_theirs, found_ours, found_checked = case["found"]
-        assert found_theirs.item() == float(planted), rank  # torch's op agreed over the mesh
+        assert found_theirs.item() == float(bool(planted)), rank  # torch's op agreed (MAX)
         assert_all_same([found_ours, found_checked], [found_theirs] * 2)
         assert_all_same(*case["grads"])
         assert_all_same(*case["checked"])  # the check writes nothing
-        assert case["all_finite"].item() is not planted, rank
+        assert case["all_finite"].item() is not bool(planted), rank
 
 
 def test_a_dtensor_whose_local_tensor_is_a_subclass(backend, tmp_path_factory):
@@ -244,6 +246,20 @@ def test_overflow_agreed_over_every_mesh_dimension_any_grad_is_sharded_on(backen
         assert "error" not in ours, f"rank {rank}: {ours}"
         scale, unchanged = ours
         assert scale == 2.0**15 and unchanged, rank
+
+
+@pytest.mark.parametrize("dim, overflowing", [("dp", (1, 3)), ("tp", (2, 3))], ids=["dp", "tp"])
+def test_the_ops_agree_over_only_the_mesh_dimension_a_grad_is_sharded_on(backend, dim,
+                                                                         overflowing,
+                                                                         tmp_path_factory):
+    """A grad sharded over one dimension of the (dp, tp) mesh, an inf in rank 3's shard: found_inf
+    is agreed over that dimension's group, not the world (the ranks outside rank 3's group find
+    nothing), as torch's op does (``_engines_mesh.ops_sharded_on_one_dimension``)."""
+    for rank, results in enumerate(mesh_results(backend, tmp_path_factory)):
+        found = results["sharded_on_one", dim]
+        assert not isinstance(found, dict), f"rank {rank}: {found}"
+        assert found[0].item() == float(rank in overflowing), rank  # torch's op
+        assert_all_same(found[1:], found[:1] * 2)
 
 
 @pytest.mark.parametrize("mesh", ["1-D", "2-D"])
