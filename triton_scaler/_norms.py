@@ -83,19 +83,21 @@ def reference_total_norm(entries: list[tuple[torch.Tensor, Any]], norm_type: flo
     ``shard_group``: the plain grads are shards over it (None: they are whole). Every rank
     must call this (the reductions are collective), also with no grads."""
     inf = norm_type == math.inf
+    # the norms of plain grads sharded over shard_group, in the parameters' order, as FSDP1's
+    # _get_grad_norm stacks them (float32 norms; the inf norm of no elements is an error)
+    shards = [torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32)
+              for grad, layout in entries if layout is None and shard_group is not None
+              and not (inf and not grad.numel())]
     by_key: dict[tuple, list[tuple[torch.Tensor, Any]]] = {}
     for grad, layout in entries:
-        by_key.setdefault((grad.device, grad.dtype), []).append((grad, layout))
+        if layout is not None or shard_group is None:
+            by_key.setdefault((grad.device, grad.dtype), []).append((grad, layout))
     norms: list[torch.Tensor] = []  # per grad, counted once each
-    shards: list[torch.Tensor] = []  # the norms of plain grads sharded over shard_group
     on_mesh: dict[Any, list[tuple[int, Any]]] = {}  # mesh -> (index into norms, layout)
     for (_, dtype), items in by_key.items():
         for grad, layout in items:
             empty = inf and not grad.numel()  # torch's inf norm of no elements is an error
-            if layout is None and shard_group is not None:
-                if not empty:  # FSDP1's _get_grad_norm: float32 norms
-                    shards.append(torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32))
-            elif layout is not None:  # a rank with no elements still joins, with 0
+            if layout is not None:  # a rank with no elements still joins, with 0
                 norm = grad.new_zeros((), dtype=torch.float32 if dtype in _HALF else dtype) \
                     if empty else grad_norm(grad, norm_type)
                 on_mesh.setdefault(layout.mesh, []).append((len(norms), layout))
