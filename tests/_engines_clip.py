@@ -93,10 +93,11 @@ def mixed_placements(kind, backend, norm_type, mesh_shape=(2,)):
 
 def _shards_and_a_dtensor(rank, backend, norm_type):
     """``clip_grad_norm_(sharded=True)`` over plain grads that are shards of one gradient
-    (summed over the group, FSDP1-style) beside a DTensor grad (its norm reduced over its
-    mesh, counted once). No clipping (a large ``max_norm``): the total alone."""
+    (summed over the group, FSDP1-style) beside DTensor grads, each counted once: a sharded
+    one (its norm reduced over its mesh) and a replicated one (every rank holds all of it:
+    not a shard over the group). No clipping (a large ``max_norm``): the total alone."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from triton_scaler import GradScaler
 
@@ -105,13 +106,17 @@ def _shards_and_a_dtensor(rank, backend, norm_type):
     plain = [torch.nn.Parameter(torch.zeros(n)) for n in (3 + rank, 50)]
     targets = [torch.randn(p.shape, generator=gen) for p in plain]
     full = torch.randn(6, 2, generator=torch.Generator().manual_seed(5)) * 3  # every rank's
+    replicated = torch.randn(5, generator=torch.Generator().manual_seed(6)) * 2
     shard = torch.nn.Parameter(distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)]))
-    opt = torch.optim.SGD(plain + [shard], lr=0.1)
+    whole = torch.nn.Parameter(distribute_tensor(torch.zeros(5), mesh, [Replicate()]))
+    opt = torch.optim.SGD(plain + [shard, whole], lr=0.1)
     scaler = GradScaler("cpu", init_scale=4.0, backend=backend, process_group=dist.group.WORLD)
     scaler.scale(sum((p * t).sum() for p, t in zip(plain, targets))).backward()
     scaler.scale((shard * distribute_tensor(full, mesh, [Shard(0)])).sum()).backward()
+    whole.grad = distribute_tensor(replicated * 4.0, mesh, [Replicate()])  # scaled by 4
     total = scaler.clip_grad_norm_(opt, 1e6, norm_type, sharded=True)
-    return {"total": total, "targets": targets, "full": full}
+    return {"total": total, "targets": targets, "full": torch.cat([full.reshape(-1),
+                                                                  replicated])}
 
 
 def _a_rank_without_grads(rank, backend):

@@ -65,10 +65,12 @@ class GradGroup:
     __slots__ = ("device", "grads", "numels", "addresses", "plan", "padding", "mesh_groups")
 
     def __init__(self, device, grads, numels=None, addresses=None, plan=None,
-                 padding=None, mesh_groups=()) -> None:
+                 padding=None, mesh_groups=None) -> None:
         self.device, self.grads, self.numels, self.addresses = device, grads, numels, addresses
         self.plan, self.padding = plan, padding  # padding: a bucket's (GradBucket.padding)
-        self.mesh_groups = mesh_groups  # DTensor grads: the groups they are sharded over
+        # DTensor grads: the groups they are sharded over (() when replicated: whole on every
+        # rank); None for plain grads (a clip's shards over its shard_group, when given)
+        self.mesh_groups = mesh_groups
 
     def launch_target(self) -> UnscalePlan:
         """What :func:`triton_scaler.kernels.launch_unscale` takes for this group: the plan,
@@ -293,7 +295,7 @@ def _groups_slow(params, allow_fp16: bool, backend: str):
             if dtype is fp16:
                 param.grad = grad = grad.coalesce()
             grad = grad._values()
-        groups[grad.device, dtype, on_mesh or ()].append(grad)
+        groups[grad.device, dtype, on_mesh].append(grad)  # None: plain, (): replicated
     mesh_groups: dict[torch.device, list] = {}
     for device, dtype, on_mesh in groups:
         if dtype not in FLOAT_DTYPES:

@@ -126,18 +126,20 @@ def reference_total_norm(entries: list[tuple[torch.Tensor, Any]], norm_type: flo
     return total ** (1.0 / norm_type)
 
 
-def combine_partials(partials: list[tuple[torch.Tensor, tuple[Any, ...]]], norm_type: float,
-                     shard_group: Any, device: torch.device) -> torch.Tensor:
+def combine_partials(partials: list[tuple[torch.Tensor, tuple[Any, ...] | None]],
+                     norm_type: float, shard_group: Any, device: torch.device) -> torch.Tensor:
     """Total norm from each launch group's sum of squares (max ``|x|`` for the inf norm) and
-    the groups it is sharded over (``()``: whole, or a shard over ``shard_group`` when one is
-    given), reduced group by group over the ranks (every rank calls this)."""
+    the groups its DTensor grads are sharded over (``()``: replicated, whole on every rank;
+    None: plain grads, whole, or shards over ``shard_group`` when one is given), reduced
+    group by group over the ranks (every rank calls this)."""
     wide = torch.float64 if any(p.dtype == torch.float64 for p, _ in partials) \
         else torch.float32
     by_groups: dict[tuple, list[torch.Tensor]] = {}
     if shard_group is not None:
         by_groups[(shard_group,)] = []  # joined even where this rank holds no grad
     for partial, groups in partials:
-        key = groups or ((shard_group,) if shard_group is not None else ())
+        key = groups if groups is not None else \
+            ((shard_group,) if shard_group is not None else ())
         by_groups.setdefault(key, []).append(partial.to(device, wide))
     inf = norm_type == math.inf
     totals = []
