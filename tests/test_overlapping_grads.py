@@ -321,3 +321,17 @@ def test_offsets_cost_the_elements_not_the_span():
     for view in (base, base[:, ::2, 1:4], base.permute(2, 0, 1), base[1, :, 3:4]):
         offsets = _offsets(tuple(view.shape), view.stride(), view.storage_offset())
         assert torch.equal(offsets, view.reshape(-1).long())
+
+
+def test_grads_off_each_others_element_grid_are_taken_as_sharing_memory():
+    """Two float32 grads over one host buffer 2 bytes apart (``torch.frombuffer``): where their
+    spans meet, no element of one is an element of the other, and they are taken as sharing
+    memory (a write to one changes bytes of the other); spans apart, they are not."""
+    raw = bytearray(64)
+    a = torch.frombuffer(raw, dtype=torch.float32, count=8)
+    b = torch.frombuffer(raw, dtype=torch.float32, count=8, offset=2)
+    assert b.data_ptr() - a.data_ptr() == 2
+    assert share_elements(a, b) and share_elements(b, a)
+    assert share_elements(a[::2], b[1::2])
+    assert not share_elements(a[:1], b[1:])  # the spans do not meet
+    assert not share_elements(a, torch.frombuffer(raw, dtype=torch.float32, count=2, offset=34))
