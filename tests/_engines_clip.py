@@ -60,20 +60,26 @@ def train_clipped(engine, kind, backend, norm_type, rank):
     return {"norms": norms, "scales": scales, "params": _full_params(engine, wrapped)}
 
 
-def mixed_placements(kind, backend, norm_type, mesh_shape=(2,)):
+def mixed_placements(kind, backend, norm_type, mesh_shape=(2,), stages=False):
     """DTensor grads with different placements (tensor parallel style: sharded and replicated
-    ones, on a 1-D or a 2-D mesh; a replicated grad's norm counts once). Returns (total norm,
-    full grads after the clip, the full tensors)."""
+    ones, on a 1-D or a 2-D mesh; a replicated grad's norm counts once). ``stages``: 4 ranks
+    as 2 pipeline stages, each its own 1-D mesh of 2 ranks and its own grads (a norm is
+    reduced over the stage's ranks, not the world). Returns (total norm, full grads after
+    the clip, the full tensors)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from triton_scaler import GradScaler
 
-    mesh = init_device_mesh("cpu", mesh_shape)
-    gen = torch.Generator().manual_seed(0)  # the same full tensors on every rank
+    if stages:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))["tp"]
+    else:
+        mesh = init_device_mesh("cpu", mesh_shape)
+    # the same full tensors on every rank (of a stage)
+    gen = torch.Generator().manual_seed(dist.get_rank() // 2 * 7 if stages else 0)
     # no rank holds an empty shard: torch 2.11's own inf-norm clip raises on one
     fulls = [torch.randn(shape, generator=gen) for shape in ((7, 3), (5,), (4, 6), (5,))]
-    if len(mesh_shape) == 1:
+    if stages or len(mesh_shape) == 1:
         placements = ([Shard(0)], [Replicate()], [Shard(1)], [Replicate()])
     else:  # replicated on one dimension, on the other, on both, and sharded on both
         placements = ([Replicate(), Shard(0)], [Shard(0), Replicate()],
@@ -91,11 +97,12 @@ def mixed_placements(kind, backend, norm_type, mesh_shape=(2,)):
     return total, [p.grad.full_tensor() for p in params], fulls
 
 
-def _shards_and_a_dtensor(rank, backend, norm_type):
+def _shards_and_a_dtensor(rank, backend, norm_type, shards_on_rank_1=True):
     """``clip_grad_norm_(sharded=True)`` over plain grads that are shards of one gradient
     (summed over the group, FSDP1-style) beside DTensor grads, each counted once: a sharded
     one (its norm reduced over its mesh) and a replicated one (every rank holds all of it:
-    not a shard over the group). No clipping (a large ``max_norm``): the total alone."""
+    not a shard over the group). Without ``shards_on_rank_1``, rank 1 holds no plain grad and
+    must still join the shards' reduction. No clipping (a large ``max_norm``): the total."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -103,7 +110,8 @@ def _shards_and_a_dtensor(rank, backend, norm_type):
 
     mesh = init_device_mesh("cpu", (2,))
     gen = torch.Generator().manual_seed(rank + 20)
-    plain = [torch.nn.Parameter(torch.zeros(n)) for n in (3 + rank, 50)]
+    plain = [torch.nn.Parameter(torch.zeros(n)) for n in (3 + rank, 50)] \
+        if shards_on_rank_1 or rank == 0 else []
     targets = [torch.randn(p.shape, generator=gen) for p in plain]
     full = torch.randn(6, 2, generator=torch.Generator().manual_seed(5)) * 3  # every rank's
     replicated = torch.randn(5, generator=torch.Generator().manual_seed(6)) * 2
@@ -111,7 +119,8 @@ def _shards_and_a_dtensor(rank, backend, norm_type):
     whole = torch.nn.Parameter(distribute_tensor(torch.zeros(5), mesh, [Replicate()]))
     opt = torch.optim.SGD(plain + [shard, whole], lr=0.1)
     scaler = GradScaler("cpu", init_scale=4.0, backend=backend, process_group=dist.group.WORLD)
-    scaler.scale(sum((p * t).sum() for p, t in zip(plain, targets))).backward()
+    if plain:
+        scaler.scale(sum((p * t).sum() for p, t in zip(plain, targets))).backward()
     scaler.scale((shard * distribute_tensor(full, mesh, [Shard(0)])).sum()).backward()
     whole.grad = distribute_tensor(replicated * 4.0, mesh, [Replicate()])  # scaled by 4
     total = scaler.clip_grad_norm_(opt, 1e6, norm_type, sharded=True)
@@ -224,8 +233,9 @@ def run_clip(rank, world_size, store_file, backend, out_dir):
             results[norm_type, enabled] = {"total": total, "targets": targets,
                                            "grads": [p.grad.clone() for p in params]}
         for norm_type in (2.0, math.inf):
-            results["with_a_dtensor", norm_type] = _shards_and_a_dtensor(rank, backend,
-                                                                         norm_type)
+            for on_rank_1 in (True, False):
+                results["with_a_dtensor", norm_type, on_rank_1] = _shards_and_a_dtensor(
+                    rank, backend, norm_type, on_rank_1)
         results["a_rank_without_grads"] = _a_rank_without_grads(rank, backend)
         for norm_type, enabled in CLIP_CASES:
             results["nonfinite_on_one_rank", norm_type, enabled] = _nonfinite_on_one_rank(

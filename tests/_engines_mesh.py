@@ -97,6 +97,8 @@ def run_mesh(rank, world_size, store_file, backend, out_dir):
             for kind in ("torch", "ours"):
                 results["mixed", norm_type, kind] = mixed_placements(kind, backend, norm_type,
                                                                      (2, 2))
+                attempt(results, ("stages", norm_type, kind), mixed_placements, kind, backend,
+                        norm_type, (2,), True)
         for dim in ("dp", "tp"):
             attempt(results, ("sharded_on_one", dim), ops_sharded_on_one_dimension, backend,
                     rank, dim)

@@ -8,6 +8,7 @@ Scale trajectory, skipped steps and final full parameters must equal the same ru
 scaler (``torch.amp.GradScaler`` for FSDP2, which agrees through DTensor dispatch;
 ``ShardedGradScaler`` for DDP and FSDP1)."""
 
+import itertools
 import math
 import os
 import re
@@ -170,8 +171,8 @@ def test_clip_grad_norm_is_global_with_a_process_group(backend, tmp_path):
         for r in ranks:
             for grad, target in zip(r[case]["grads"], r[case]["targets"]):
                 assert torch.equal(grad, target * coef)  # targets * 4 / 4 is exact
-    for norm_type in (2.0, math.inf):  # plain shards and a DTensor grad (counted once)
-        case = "with_a_dtensor", norm_type
+    for norm_type, on_rank_1 in itertools.product((2.0, math.inf), (True, False)):
+        case = "with_a_dtensor", norm_type, on_rank_1  # plain shards, DTensor grads once
         every = torch.cat([t.double().reshape(-1) for r in ranks for t in r[case]["targets"]]
                           + [ranks[0][case]["full"].double().reshape(-1)])
         expected = torch.linalg.vector_norm(every, norm_type).item()
@@ -277,6 +278,23 @@ def test_fused_clip_counts_a_replicated_dtensor_grad_once(backend, norm_type, me
         if _exact_norm(backend, "fsdp2" if mesh == "1-D" else "fsdp2_tp", norm_type):
             assert torch.equal(ours, theirs)
             assert all(torch.equal(a, b) for a, b in zip(ours_grads, their_grads))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_fused_clip_reduces_over_its_own_mesh_not_the_world(backend, norm_type,
+                                                           tmp_path_factory):
+    """4 ranks as 2 pipeline stages, each its own 1-D mesh of 2 ranks (a sub-mesh of the
+    (pp, tp) mesh) and its own DTensor grads: each stage's norm is torch's for that stage
+    (``_engines_clip.mixed_placements(stages=True)``), the two stages' norms differ."""
+    ranks = mesh_results(backend, tmp_path_factory)
+    totals = []
+    for rank, results in enumerate(ranks):
+        ours, theirs = (results["stages", norm_type, kind] for kind in ("ours", "torch"))
+        assert "error" not in ours, f"rank {rank}: {ours}"
+        assert _same_norm(ours[0], theirs[0], exact=_exact_norm(backend, "fsdp2_tp", norm_type))
+        totals.append(ours[0])
+    assert torch.equal(totals[0], totals[1]) and torch.equal(totals[2], totals[3])
+    assert not torch.equal(totals[0], totals[2])
 
 
 def test_fused_clip_asks_whether_plain_grads_are_shards(backend, tmp_path_factory):
