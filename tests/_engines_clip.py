@@ -102,7 +102,9 @@ def _shards_and_a_dtensor(rank, backend, norm_type, shards_on_rank_1=True):
     (summed over the group, FSDP1-style) beside DTensor grads, each counted once: a sharded
     one (its norm reduced over its mesh) and a replicated one (every rank holds all of it:
     not a shard over the group). Without ``shards_on_rank_1``, rank 1 holds no plain grad and
-    must still join the shards' reduction. No clipping (a large ``max_norm``): the total."""
+    must still join the shards' reduction, over a process group of its own (a 1-D mesh of
+    the world reduces over the default group: the shards' key would be the mesh's). No
+    clipping (a large ``max_norm``): the total."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -118,7 +120,8 @@ def _shards_and_a_dtensor(rank, backend, norm_type, shards_on_rank_1=True):
     shard = torch.nn.Parameter(distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)]))
     whole = torch.nn.Parameter(distribute_tensor(torch.zeros(5), mesh, [Replicate()]))
     opt = torch.optim.SGD(plain + [shard, whole], lr=0.1)
-    scaler = GradScaler("cpu", init_scale=4.0, backend=backend, process_group=dist.group.WORLD)
+    group = dist.group.WORLD if shards_on_rank_1 else dist.new_group([0, 1])
+    scaler = GradScaler("cpu", init_scale=4.0, backend=backend, process_group=group)
     if plain:
         scaler.scale(sum((p * t).sum() for p, t in zip(plain, targets))).backward()
     scaler.scale((shard * distribute_tensor(full, mesh, [Shard(0)])).sum()).backward()
