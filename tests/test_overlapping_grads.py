@@ -46,6 +46,20 @@ def test_the_overlap_test_agrees_with_every_offset_counted():
     assert min(seen.values()) > 1000  # both answers exercised
 
 
+def test_the_overlap_test_agrees_on_larger_sizes_and_strides():
+    """Every 2-D layout of sizes 1–5 and strides 0–10 (3,025 layouts), against the offsets
+    counted one by one: a dimension's reach is ``stride * (size - 1)``, which sizes of 3 and
+    strides of 5 at most cannot tell from ``stride + size - 1`` ((2, 5) with strides (10, 5)
+    overlaps: 10 = 5 * 2)."""
+    seen = {True: 0, False: 0}
+    for shape in itertools.product(range(1, 6), repeat=2):
+        for strides in itertools.product(range(11), repeat=2):
+            expected = _brute_force_overlaps(shape, strides)
+            assert _overlaps(shape, strides) == expected, (shape, strides)
+            seen[expected] += 1
+    assert min(seen.values()) > 500
+
+
 def _overlapping(fill: float = 4.0, dtype=torch.float32, device="cpu"):
     """A (3, 3) grad over 5 elements of a 6-element buffer (strides (1, 1)), and the buffer."""
     base = torch.full((6,), fill, dtype=dtype, device=device)
@@ -334,4 +348,5 @@ def test_grads_off_each_others_element_grid_are_taken_as_sharing_memory():
     assert share_elements(a, b) and share_elements(b, a)
     assert share_elements(a[::2], b[1::2])
     assert not share_elements(a[:1], b[1:])  # the spans do not meet
-    assert not share_elements(a, torch.frombuffer(raw, dtype=torch.float32, count=2, offset=34))
+    after = torch.frombuffer(raw, dtype=torch.float32, count=2, offset=34)
+    assert not share_elements(a, after) and not share_elements(after, a)
