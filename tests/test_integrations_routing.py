@@ -43,6 +43,7 @@ class Fabric:
 
     def clip_gradients(self, module, optimizer, max_norm, norm_type, error_if_nonfinite):
         self.own_calls += 1
+        self.own_arguments = (max_norm, norm_type, error_if_nonfinite)
         inner = ti._inner_optimizer(optimizer)
         return _library_clip(self._precision.scaler, inner, list(module.parameters()),
                              max_norm, norm_type)
@@ -79,6 +80,8 @@ def _accelerate_run(backend, case, overflow=False):
     accelerator = Accelerator(scaler, optimizers,
                               distributed_type="FSDP" if case == "FSDP" else "NO",
                               native_amp=case != "no native amp")
+    if case == "no native_amp attribute":
+        del accelerator.native_amp
     clipped = params[:2] if case == "some parameters" else params
     norm = ti.accelerate_clip_grad_norm_(accelerator, iter(clipped), 0.5)
     return accelerator.own_calls, (norm, [p.grad.clone() for p in params])
@@ -94,10 +97,30 @@ def test_accelerate_takes_the_fused_route_with_its_result(backend, overflow):
 
 
 @pytest.mark.parametrize("case", ["torch scaler", "disabled scaler", "FSDP", "no native amp",
-                                  "two optimizers", "some parameters"])
+                                  "no native_amp attribute", "two optimizers",
+                                  "some parameters"])
 def test_accelerate_keeps_its_own_route_where_the_fused_one_differs(backend, case):
     own_calls, _ = _accelerate_run(backend, case)
     assert own_calls == 1
+
+
+def test_accelerates_own_route_gets_every_parameter_of_an_iterator(backend):
+    """Parameters given as an iterator (``model.parameters()``) that the fused route does not
+    take reach Accelerate's own clip whole, not consumed by the route's check."""
+    _, (norm, grads) = _accelerate_run(backend, "some parameters")
+    model, opt, scaler = _setup("ours", backend)
+    expected = _library_clip(scaler, opt, list(model.parameters())[:2], 0.5, 2.0)
+    assert torch.equal(norm, expected)
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+
+
+def test_fabric_defaults_are_fabrics():
+    """``norm_type=2.0`` and ``error_if_nonfinite=True`` when not given, as
+    ``Fabric.clip_gradients``; passed on to Fabric's own route."""
+    model, opt, scaler = _setup("torch", "reference")
+    fabric = Fabric(scaler)
+    ti.fabric_clip_gradients(fabric, model, SimpleNamespace(optimizer=opt), 0.5)
+    assert fabric.own_arguments == (0.5, 2.0, True)
 
 
 @pytest.mark.parametrize("case", ["fused", "torch scaler", "other parameters"])
