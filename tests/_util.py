@@ -1,5 +1,5 @@
-"""Exact comparison helpers shared by the tests, a counter of host-data uploads and CUDA's sync
-debug mode as a context."""
+"""Exact comparison helpers shared by the tests, a counter of host-data uploads, CUDA's sync
+debug mode as a context and torch's fake process group (meshes in one process)."""
 
 import contextlib
 
@@ -96,3 +96,21 @@ def sync_errors(device: torch.device):
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int):
+    """torch's fake process group of ``world_size`` ranks (rank 0; every collective a no-op),
+    destroyed after: DTensors on CPU meshes in one process. Skips when the fake group is
+    missing or a group is already initialised."""
+    import pytest
+
+    dist = pytest.importorskip("torch.distributed")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 import torch
+from _util import fake_process_group
 
 dist = pytest.importorskip("torch.distributed")
-fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
 
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
@@ -20,13 +20,8 @@ from triton_scaler._distributed import MeshLayout, local_grad, mesh_layout  # no
 @pytest.fixture(scope="module")
 def meshes():
     """A 1-D mesh of 2 ranks and a 2 x 1 one, over the fake group (destroyed after)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=2)
-    try:
+    with fake_process_group(2):
         yield init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2, 1))
-    finally:
-        dist.destroy_process_group()
 
 
 def _grad(mesh, placements):

@@ -11,10 +11,9 @@ import math
 
 import pytest
 import torch
-from _util import assert_all_same, assert_same
+from _util import assert_all_same, assert_same, fake_process_group
 
 dist = pytest.importorskip("torch.distributed")
-fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
 
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp.fully_sharded_data_parallel import _get_grad_norm  # noqa: E402
@@ -34,13 +33,8 @@ SHAPES = ((3, 5), (7,), (1,), (2, 3), (33,))
 @pytest.fixture(scope="module")
 def mesh():
     """A (2, 2) CPU mesh over the fake group of 4 ranks (destroyed after)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=4)
-    try:
+    with fake_process_group(4):
         yield init_device_mesh("cpu", (2, 2))
-    finally:
-        dist.destroy_process_group()
 
 
 def _scaled(shape, dtype, seed, integers=False, magnitude=1.0):

@@ -33,31 +33,24 @@ def _brute_force_overlaps(shape, strides) -> bool:
     return len(set(offsets)) < len(offsets)
 
 
-def test_the_overlap_test_agrees_with_every_offset_counted():
-    """Every layout of up to three dimensions of sizes 1–3 and strides 0–5 (6,174 layouts),
-    against the offsets counted one by one."""
+@pytest.mark.parametrize("dims, largest_size, largest_stride, each_answer_at_least", [
+    ((1, 2, 3), 3, 5, 1000),  # 6,174 layouts
+    # a dimension's reach is stride * (size - 1), which the sizes and strides above cannot
+    # tell from stride + size - 1: (2, 5) with strides (10, 5) overlaps (10 = 5 * 2)
+    ((2,), 5, 10, 500),  # 3,025 layouts
+], ids=["up-to-3-D", "2-D-larger"])
+def test_the_overlap_test_agrees_with_every_offset_counted(dims, largest_size, largest_stride,
+                                                           each_answer_at_least):
+    """Every layout of these dimensions, sizes and strides (from 1 and 0), against the
+    offsets counted one by one."""
     seen = {True: 0, False: 0}
-    for dims in (1, 2, 3):
-        for shape in itertools.product(range(1, 4), repeat=dims):
-            for strides in itertools.product(range(6), repeat=dims):
+    for n in dims:
+        for shape in itertools.product(range(1, largest_size + 1), repeat=n):
+            for strides in itertools.product(range(largest_stride + 1), repeat=n):
                 expected = _brute_force_overlaps(shape, strides)
                 assert _overlaps(shape, strides) == expected, (shape, strides)
                 seen[expected] += 1
-    assert min(seen.values()) > 1000  # both answers exercised
-
-
-def test_the_overlap_test_agrees_on_larger_sizes_and_strides():
-    """Every 2-D layout of sizes 1–5 and strides 0–10 (3,025 layouts), against the offsets
-    counted one by one: a dimension's reach is ``stride * (size - 1)``, which sizes of 3 and
-    strides of 5 at most cannot tell from ``stride + size - 1`` ((2, 5) with strides (10, 5)
-    overlaps: 10 = 5 * 2)."""
-    seen = {True: 0, False: 0}
-    for shape in itertools.product(range(1, 6), repeat=2):
-        for strides in itertools.product(range(11), repeat=2):
-            expected = _brute_force_overlaps(shape, strides)
-            assert _overlaps(shape, strides) == expected, (shape, strides)
-            seen[expected] += 1
-    assert min(seen.values()) > 500
+    assert min(seen.values()) > each_answer_at_least  # both answers exercised
 
 
 def _overlapping(fill: float = 4.0, dtype=torch.float32, device="cpu"):
