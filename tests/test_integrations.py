@@ -98,7 +98,12 @@ def test_fabric_clip_gradients_equals_its_plain_route(backend):
     _assert_same_runs(plain, fused)
 
 
-def test_lightning_trainer_plugin_equals_its_plain_route(backend, tmp_path):
+@pytest.mark.parametrize("case", ["clip by norm", "manual clip_gradients",
+                                  "configure_gradient_clipping by value"])
+def test_lightning_trainer_plugin_equals_its_plain_route(backend, tmp_path, case):
+    """The Trainer's clip by norm takes the fused clip; a manual-optimization
+    ``clip_gradients`` and a ``configure_gradient_clipping`` that clips by value take
+    Lightning's own (its unscale first, where Lightning's route unscales first)."""
     pytest.importorskip("lightning")
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import MixedPrecision
@@ -107,10 +112,24 @@ def test_lightning_trainer_plugin_equals_its_plain_route(backend, tmp_path):
         def __init__(self):
             super().__init__()
             self.net = _model()
+            self.automatic_optimization = case != "manual clip_gradients"
 
         def training_step(self, batch, index):
             x, overflow = batch
-            return self.net(x).float().square().mean() * (math.inf if overflow else 100.0)
+            loss = self.net(x).float().square().mean() * (math.inf if overflow else 100.0)
+            if self.automatic_optimization:
+                return loss
+            opt = self.optimizers()
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                        gradient_clip_algorithm=None):
+            by_value = case == "configure_gradient_clipping by value"
+            self.clip_gradients(optimizer, gradient_clip_val=0.1 if by_value else None,
+                                gradient_clip_algorithm="value" if by_value else None)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -120,7 +139,8 @@ def test_lightning_trainer_plugin_equals_its_plain_route(backend, tmp_path):
     def run(plugin):
         module = Module()
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, plugins=[plugin],
-                             gradient_clip_val=0.1, logger=False, enable_checkpointing=False,
+                             gradient_clip_val=None if case.startswith("manual") else 0.1,
+                             logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False,
                              default_root_dir=tmp_path)
         trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(
@@ -132,7 +152,7 @@ def test_lightning_trainer_plugin_equals_its_plain_route(backend, tmp_path):
     calls = []
     fused = run(ti.lightning_precision_plugin("cpu", _counted(
         GradScaler("cpu", init_scale=2.0**10, backend=backend), calls)))
-    assert len(calls) == 6
+    assert len(calls) == (6 if case == "clip by norm" else 0)
     assert plain[1] == fused[1] == 2.0**9  # one overflow: one backoff, step skipped
     for a, b in zip(plain[0], fused[0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -21,14 +21,13 @@ def check_grad_dtype(where: str, dtype: torch.dtype) -> None:
         raise TypeError(f"{where} has dtype {dtype}; gradients must be {_ACCEPTED}")
 
 
-def check_flag(name: str, t: object, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` itself, or ``TypeError`` naming ``name`` unless it is a one-element ``dtype``
-    tensor (found_inf, inv_scale, scale, the trackers)."""
+def check_flag(name: str, t: object, dtype: torch.dtype) -> None:
+    """``TypeError`` naming ``name`` unless ``t`` is a one-element ``dtype`` tensor
+    (found_inf, inv_scale, scale, the trackers)."""
     if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != dtype:
         raise TypeError(f"{name} must be a one-element {dtype} tensor; got "
                         f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
                         f"{'' if not isinstance(t, torch.Tensor) else f' of {t.numel()} elements'}")
-    return t
 
 
 def as_tensor_list(grads: object, name: str = "grads") -> list[torch.Tensor]:

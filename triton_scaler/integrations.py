@@ -33,6 +33,10 @@ def _covers_exactly(optimizer: torch.optim.Optimizer, parameters: list) -> bool:
     return mine == {id(p) for p in parameters if p.grad is not None}
 
 
+def _stage(scaler: GradScaler, optimizer: Any) -> OptState:
+    return scaler._per_optimizer_states[id(_inner_optimizer(optimizer))]["stage"]
+
+
 def accelerate_clip_grad_norm_(accelerator: Any, parameters: Any, max_norm: float,
                                norm_type: float = 2.0) -> torch.Tensor:
     """Drop-in for ``accelerator.clip_grad_norm_(parameters, max_norm, norm_type)``.
@@ -77,12 +81,17 @@ def lightning_precision_plugin(device: str = "cuda", scaler: GradScaler | None =
     :class:`triton_scaler.GradScaler` and, when the Trainer clips by norm
     (``gradient_clip_val`` with the default ``"norm"`` algorithm), unscales and clips in one
     fused call. Use ``Trainer(plugins=[lightning_precision_plugin("cuda")],
-    gradient_clip_val=1.0)``. With clipping by norm, ``on_before_optimizer_step`` sees the grads
-    still scaled (the unscale happens inside the clip); without it, the plugin behaves exactly
-    as Lightning's ``MixedPrecision``."""
+    gradient_clip_val=1.0)``. With clipping by norm, ``on_before_optimizer_step`` and
+    ``configure_gradient_clipping`` see the grads still scaled (the unscale happens inside the
+    clip); without it, and for ``clip_gradients`` called in manual optimization, the plugin
+    behaves exactly as Lightning's ``MixedPrecision``."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     class FusedClipMixedPrecision(MixedPrecision):
+        #: The optimizer whose unscale Lightning asked for after the closure and the clip by
+        #: norm takes over; None outside that window (Lightning's ``_after_closure``).
+        _deferred: Any = None
+
         def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],
                            **kwargs: Any) -> Any:
             trainer = getattr(model, "_trainer", None)
@@ -92,23 +101,55 @@ def lightning_precision_plugin(device: str = "cuda", scaler: GradScaler | None =
                      and not getattr(optimizer, "_step_supports_amp_scaling", False))
             if not fused:
                 return super().optimizer_step(optimizer, model, closure, **kwargs)
-            scaler, deferred = self.scaler, []
 
-            def unscale_later(opt):  # Lightning's pre-clip unscale: the clip below does it
-                if deferred:  # any later call (the clip did not run) is a real unscale
-                    return GradScaler.unscale_(scaler, opt)
-                deferred.append(opt)
+            def closure_then_defer():
+                result = closure()
+                if result is not None or not model.automatic_optimization:
+                    self.scaler.unscale_ = self._unscale_later  # Lightning unscales next
+                return result
 
-            scaler.unscale_ = unscale_later
-            try:  # Lightning's own step, with the unscale moved into the clip below
-                return super().optimizer_step(optimizer, model, closure, **kwargs)
+            try:  # Lightning's own step, with its unscale moved into the clip
+                return super().optimizer_step(optimizer, model, closure_then_defer, **kwargs)
             finally:
-                del scaler.unscale_
+                vars(self.scaler).pop("unscale_", None)
+                self._deferred = None
+
+        def _end_deferral(self) -> Any:
+            """The optimizer whose unscale was deferred, or None; the deferral ends."""
+            vars(self.scaler).pop("unscale_", None)
+            deferred, self._deferred = self._deferred, None
+            return deferred
+
+        def _unscale_deferred_now(self) -> None:
+            deferred = self._end_deferral()
+            if deferred is not None:
+                self.scaler.unscale_(deferred)
+
+        def _unscale_later(self, optimizer: Any) -> None:
+            """``scaler.unscale_`` from the closure's end until the deferral ends: Lightning's
+            own call is deferred; any other sees Lightning's state (the deferred unscale done
+            first: torch's error for a second unscale of one optimizer, as Lightning's)."""
+            if self._deferred is None and _stage(self.scaler, optimizer) is OptState.READY:
+                self._deferred = optimizer
+                return
+            self._unscale_deferred_now()
+            self.scaler.unscale_(optimizer)
+
+        def _after_closure(self, model: Any, optimizer: Any) -> None:
+            super()._after_closure(model, optimizer)  # the hooks, then the clip
+            self._unscale_deferred_now()  # no clip by norm took it: before the step
 
         def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-            inner = _inner_optimizer(optimizer)
-            if self.scaler._per_optimizer_states[id(inner)]["stage"] is OptState.UNSCALED:
-                return super().clip_grad_by_norm(optimizer, clip_val)  # already unscaled
-            self.scaler.clip_grad_norm_(inner, float(clip_val), sharded=False)
+            deferred, inner = self._end_deferral(), _inner_optimizer(optimizer)
+            if deferred is not None and _inner_optimizer(deferred) is inner:
+                self.scaler.clip_grad_norm_(inner, float(clip_val), sharded=False)
+                return None
+            if deferred is not None:
+                self.scaler.unscale_(deferred)
+            return super().clip_grad_by_norm(optimizer, clip_val)  # Lightning's own
+
+        def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+            self._unscale_deferred_now()  # unscaled first, as Lightning's
+            return super().clip_grad_by_value(optimizer, clip_val)
 
     return FusedClipMixedPrecision("16-mixed", device, scaler or GradScaler(device))

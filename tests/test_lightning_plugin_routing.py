@@ -1,0 +1,236 @@
+"""Which route ``lightning_precision_plugin`` takes, without Lightning: a stand-in for
+Lightning 2.5's ``MixedPrecision`` (its ``optimizer_step``, ``_after_closure`` and clip methods,
+statement for statement, the hooks reduced to the module's own) is put in ``sys.modules`` for
+the plugin to subclass. Every run of the plugin is compared with the stand-in's own route (the
+same scaler class, unscale then torch's clip): bit for bit on the reference backend, to float32
+rounding on Triton. ``tests/test_integrations.py`` runs the real Trainer where Lightning is
+installed."""
+
+import enum
+import math
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from triton_scaler import GradScaler
+from triton_scaler import integrations as ti
+
+
+class MixedPrecision:
+    """Lightning 2.5's ``MixedPrecision("16-mixed", ...)`` as the plugin meets it."""
+
+    def __init__(self, precision, device, scaler=None):
+        self.precision, self.device, self.scaler = precision, device, scaler
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        closure_result = closure()
+        skip_unscaling = closure_result is None and model.automatic_optimization
+        if not getattr(optimizer, "_step_supports_amp_scaling", False) and not skip_unscaling:
+            self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if not skip_unscaling:
+            step_output = self.scaler.step(optimizer, **kwargs)
+            self.scaler.update()
+            return step_output
+        return closure_result
+
+    def _after_closure(self, model, optimizer):
+        trainer = model._trainer
+        model.on_before_optimizer_step(optimizer)
+        if model.automatic_optimization:  # Precision._clip_gradients
+            model.configure_gradient_clipping(optimizer, trainer.gradient_clip_val,
+                                              trainer.gradient_clip_algorithm)
+
+    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm="norm"):
+        if clip_val > 0 and getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise RuntimeError("does not allow for gradient clipping")
+        if clip_val <= 0:
+            return
+        if gradient_clip_algorithm == "value":
+            self.clip_grad_by_value(optimizer, clip_val)
+        elif gradient_clip_algorithm == "norm":
+            self.clip_grad_by_norm(optimizer, clip_val)
+
+    def clip_grad_by_value(self, optimizer, clip_val):
+        torch.nn.utils.clip_grad_value_(_params(optimizer), clip_value=clip_val)
+
+    def clip_grad_by_norm(self, optimizer, clip_val):
+        torch.nn.utils.clip_grad_norm_(_params(optimizer), clip_val)
+
+
+def _params(optimizer):
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+@pytest.fixture(autouse=True)
+def _lightning_stand_in(monkeypatch):
+    names = ["lightning", "lightning.pytorch", "lightning.pytorch.plugins",
+             "lightning.pytorch.plugins.precision"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[names[-1]].MixedPrecision = MixedPrecision
+
+
+class Module:
+    """A LightningModule as the precision plugin sees it: its trainer, its optimization mode,
+    the two hooks (``configure_gradient_clipping`` by default clips as the Trainer says)."""
+
+    def __init__(self, trainer, automatic=True, before_step=None, clipping=None):
+        self._trainer, self.automatic_optimization = trainer, automatic
+        self.before_step, self.clipping = before_step, clipping
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.before_step:
+            self.before_step(self._trainer.precision_plugin, optimizer, self.step)
+
+    def configure_gradient_clipping(self, optimizer, clip_val, algorithm):
+        if self.clipping is not None:
+            return self.clipping(self._trainer.precision_plugin, optimizer)
+        self._trainer.precision_plugin.clip_gradients(optimizer, clip_val or 0.0,
+                                                      algorithm or "norm")
+
+
+class GradClipAlgorithmType(str, enum.Enum):
+    """As Lightning's: equal to its value, ``str`` its name (``GradClipAlgorithmType.NORM``)."""
+    NORM = "norm"
+    VALUE = "value"
+
+
+NONE_STEP = 1
+
+
+def _fit(plugin_kind, backend, clip_val=0.5, algorithm=None, manual=False, none_step=True,
+         **hooks):
+    """Four steps through ``plugin_kind``'s ``optimizer_step``, the second's ``training_step``
+    returning None where ``none_step``, the third overflowing: params, final scale, fused
+    clips taken."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 9), torch.nn.ReLU(), torch.nn.Linear(9, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler, fused_clips = GradScaler("cpu", init_scale=2.0**10, backend=backend), []
+    original = scaler.clip_grad_norm_
+    scaler.clip_grad_norm_ = lambda *a, **k: fused_clips.append(1) or original(*a, **k)
+    plugin = (ti.lightning_precision_plugin("cpu", scaler) if plugin_kind == "plugin"
+              else MixedPrecision("16-mixed", "cpu", scaler))
+    trainer = SimpleNamespace(gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm,
+                              precision_plugin=plugin)
+    module = Module(trainer, automatic=not manual, **hooks)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        module.step = step
+        x = torch.randn(7, 5, generator=gen)
+
+        def closure(step=step, x=x):
+            opt.zero_grad()
+            if step == NONE_STEP and none_step and not manual:
+                return None  # training_step returned None: no backward
+            loss = model(x).square().mean() * (math.inf if step == 2 else 100.0)
+            scaler.scale(loss).backward()
+            return loss
+
+        if manual:  # manual_backward, self.clip_gradients, opt.step()
+            closure()
+            plugin.clip_gradients(opt, 0.5, "norm")
+            plugin.optimizer_step(opt, module, lambda: None)
+        else:
+            plugin.optimizer_step(opt, module, closure)
+        assert "unscale_" not in vars(scaler)  # the deferral never outlives the step
+    return [p.detach().clone() for p in model.parameters()], scaler.get_scale(), len(fused_clips)
+
+
+def _assert_same(fused, plain, backend):
+    assert fused[1] == plain[1] == 2.0**9  # one overflow: one backoff
+    tolerance = 0 if backend == "reference" else 1e-6
+    for a, b in zip(fused[0], plain[0]):
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=0)
+
+
+@pytest.mark.parametrize("algorithm", [None, "norm", GradClipAlgorithmType.NORM])
+def test_clipping_by_norm_takes_the_fused_clip_with_lightnings_result(backend, algorithm):
+    fused = _fit("plugin", backend, algorithm=algorithm)
+    assert fused[2] == 3  # the steps with a backward; at the None step Lightning's own clip
+    _assert_same(fused, _fit("lightning", backend, algorithm=algorithm), backend)
+
+
+@pytest.mark.parametrize("case", ["no clip value", "clip value 0", "by value", "manual"])
+def test_lightnings_own_route_where_the_trainer_does_not_clip_by_norm(backend, case):
+    """Manual optimization's ``clip_gradients`` clips the grads as they are, as Lightning's
+    (no unscale was deferred: a fused clip would unscale, and Lightning's step again)."""
+    settings = {"no clip value": dict(clip_val=None), "clip value 0": dict(clip_val=0.0),
+                "by value": dict(algorithm=GradClipAlgorithmType.VALUE, none_step=False),
+                "manual": dict(clip_val=None, manual=True)}[case]
+    fused = _fit("plugin", backend, **settings)
+    assert fused[2] == 0
+    _assert_same(fused, _fit("lightning", backend, **settings), backend)
+
+
+def clip_by_value(plugin, optimizer):  # configure_gradient_clipping's own choice
+    plugin.clip_gradients(optimizer, 0.01, "value")
+
+
+def clip_by_norm_twice(plugin, optimizer):
+    plugin.clip_gradients(optimizer, 0.5, "norm")
+    plugin.clip_gradients(optimizer, 0.2, "norm")
+
+
+@pytest.mark.parametrize("hooks, fused_clips", [
+    (dict(clipping=lambda plugin, optimizer: None), 0),
+    (dict(clipping=clip_by_value, none_step=False), 0),
+    (dict(clipping=clip_by_norm_twice), 3)],
+    ids=["no clip", "clip by value", "clip twice"])
+def test_each_step_unscales_once_when_the_fused_clip_does_not_take_it(backend, hooks,
+                                                                      fused_clips):
+    """A ``configure_gradient_clipping`` that does not clip (unscaled before the step), clips
+    by value (unscaled first) or twice by norm (the second on unscaled grads): Lightning's
+    result."""
+    fused = _fit("plugin", backend, **hooks)
+    assert fused[2] == fused_clips
+    _assert_same(fused, _fit("lightning", backend, **hooks), backend)
+
+
+def unscale_at(steps):
+    def before_step(plugin, optimizer, step):
+        if step in steps:
+            plugin.scaler.unscale_(optimizer)
+    return before_step
+
+
+@pytest.mark.parametrize("plugin_kind", ["plugin", "lightning"])
+@pytest.mark.parametrize("steps", [{0}, {NONE_STEP}], ids=["after Lightning's", "left over"])
+def test_a_second_unscale_raises_torchs_error_as_lightnings(plugin_kind, steps):
+    """A user's ``unscale_`` in ``on_before_optimizer_step`` comes after Lightning's (deferred
+    or not); one at a step whose ``training_step`` returned None is left for the next step,
+    whose own unscale then raises."""
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        _fit(plugin_kind, "reference", before_step=unscale_at(steps))
+
+
+def test_a_user_unscale_of_another_optimizer_in_the_hook_is_its_own():
+    """An ``unscale_`` of some other optimizer while Lightning's is deferred unscales that one
+    (and the deferred one first): the step's result stays Lightning's."""
+    other = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+
+    def before_step(plugin, optimizer, step):
+        if step != NONE_STEP:  # (no update would follow to end the other's iteration)
+            plugin.scaler.unscale_(other)
+            assert plugin.scaler._per_optimizer_states[id(optimizer)]["stage"].name \
+                == "UNSCALED"
+
+    fused = _fit("plugin", "reference", before_step=before_step)
+    assert fused[2] == 0  # the deferred unscale was done for the user's call
+    _assert_same(fused, _fit("lightning", "reference", before_step=before_step), "reference")
+
+
+def test_a_fused_optimizer_keeps_lightnings_route():
+    """An optimizer that unscales in its own step (``_step_supports_amp_scaling``) is not
+    fused: Lightning's own ``clip_gradients`` refuses it, as with torch's scaler."""
+    plugin = ti.lightning_precision_plugin("cpu", GradScaler("cpu", backend="reference"))
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    opt._step_supports_amp_scaling = True
+    module = Module(SimpleNamespace(gradient_clip_val=0.5, gradient_clip_algorithm=None,
+                                    precision_plugin=plugin))
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        plugin.optimizer_step(opt, module, lambda: torch.zeros(()))
