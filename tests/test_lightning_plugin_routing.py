@@ -112,7 +112,8 @@ def _fit(plugin_kind, backend, clip_val=0.5, algorithm=None, manual=False, none_
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler, fused_clips = GradScaler("cpu", init_scale=2.0**10, backend=backend), []
     original = scaler.clip_grad_norm_
-    scaler.clip_grad_norm_ = lambda *a, **k: fused_clips.append(1) or original(*a, **k)
+    scaler.clip_grad_norm_ = lambda *a, **k: fused_clips.append(k["sharded"]) or original(
+        *a, **k)
     plugin = (ti.lightning_precision_plugin("cpu", scaler) if plugin_kind == "plugin"
               else MixedPrecision("16-mixed", "cpu", scaler))
     trainer = SimpleNamespace(gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm,
@@ -138,6 +139,7 @@ def _fit(plugin_kind, backend, clip_val=0.5, algorithm=None, manual=False, none_
         else:
             plugin.optimizer_step(opt, module, closure)
         assert "unscale_" not in vars(scaler)  # the deferral never outlives the step
+    assert set(fused_clips) <= {False}  # the rank's own grads: whole on every DDP rank
     return [p.detach().clone() for p in model.parameters()], scaler.get_scale(), len(fused_clips)
 
 
@@ -162,9 +164,23 @@ def test_lightnings_own_route_where_the_trainer_does_not_clip_by_norm(backend, c
     settings = {"no clip value": dict(clip_val=None), "clip value 0": dict(clip_val=0.0),
                 "by value": dict(algorithm=GradClipAlgorithmType.VALUE, none_step=False),
                 "manual": dict(clip_val=None, manual=True)}[case]
-    fused = _fit("plugin", backend, **settings)
+    seen = {"plugin": [], "lightning": []}
+    fused = _fit("plugin", backend, before_step=grads_seen(seen["plugin"]), **settings)
     assert fused[2] == 0
-    _assert_same(fused, _fit("lightning", backend, **settings), backend)
+    _assert_same(fused, _fit("lightning", backend, before_step=grads_seen(seen["lightning"]),
+                             **settings), backend)
+    for mine, lightnings in zip(*seen.values(), strict=True):  # on_before_optimizer_step's
+        for a, b in zip(mine, lightnings, strict=True):  # grads: unscaled, as Lightning's
+            if a is None or b is None:
+                assert a is b
+            else:
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def grads_seen(seen):
+    def before_step(plugin, optimizer, step):
+        seen.append([p.grad if p.grad is None else p.grad.clone() for p in _params(optimizer)])
+    return before_step
 
 
 def clip_by_value(plugin, optimizer):  # configure_gradient_clipping's own choice
@@ -194,7 +210,9 @@ def test_each_step_unscales_once_when_the_fused_clip_does_not_take_it(backend, h
 def unscale_at(steps):
     def before_step(plugin, optimizer, step):
         if step in steps:
-            plugin.scaler.unscale_(optimizer)
+            plugin.scaler.unscale_(optimizer)  # done, not deferred: Lightning did not unscale
+            assert plugin.scaler._per_optimizer_states[id(optimizer)]["stage"].name \
+                == "UNSCALED"
     return before_step
 
 
@@ -234,3 +252,25 @@ def test_a_fused_optimizer_keeps_lightnings_route():
                                     precision_plugin=plugin))
     with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
         plugin.optimizer_step(opt, module, lambda: torch.zeros(()))
+
+
+def test_the_deferral_ends_when_a_hook_raises():
+    plugin = ti.lightning_precision_plugin("cpu", GradScaler("cpu", backend="reference"))
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+
+    def before_step(plugin, optimizer, step):
+        raise KeyError("a hook's error")
+
+    module = Module(SimpleNamespace(gradient_clip_val=0.5, gradient_clip_algorithm=None,
+                                    precision_plugin=plugin), before_step=before_step)
+    module.step = 0
+    plugin.scaler.scale(torch.ones(()))
+    with pytest.raises(KeyError, match="a hook's error"):
+        plugin.optimizer_step(opt, module, lambda: torch.zeros(()))
+    assert "unscale_" not in vars(plugin.scaler) and plugin._deferred is None
+
+
+def test_the_default_scaler_is_ours():
+    plugin = ti.lightning_precision_plugin("cpu")
+    assert type(plugin.scaler) is GradScaler and plugin.scaler._device == "cpu"
+    assert isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed"

@@ -103,11 +103,15 @@ def test_a_deferred_host_copy_completes_on_the_stream_of_the_copied_tensor(monke
         streams.append(device)
         return f"stream of {device}"
 
-    empty = torch.empty
+    empty, pinned = torch.empty, []
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
-    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
-    src = torch.tensor([65536.0, 1.0])
+    monkeypatch.setattr(torch, "empty",
+                        lambda *a, pin_memory=False, **k: pinned.append(pin_memory) or empty(
+                            *a, **k))
+    src = torch.tensor([65536.0, 1.0], dtype=torch.float64)  # not the default dtype
     host, event = _host_copy.copy_to_host_async(src)
     assert Event.recorded_on == [f"stream of {src.device}"] and streams == [src.device]
-    assert torch.equal(host, src) and host.data_ptr() != src.data_ptr()
+    assert pinned == [True]  # page-locked: the copy can run without blocking the host
+    assert host.dtype == src.dtype and torch.equal(host, src)
+    assert host.data_ptr() != src.data_ptr()

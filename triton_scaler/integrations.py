@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState
 
 from .grad_scaler import GradScaler
 
@@ -31,10 +30,6 @@ def _covers_exactly(optimizer: torch.optim.Optimizer, parameters: list) -> bool:
     """Whether the optimizer's params with grads are exactly ``parameters``' with grads."""
     mine = {id(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
     return mine == {id(p) for p in parameters if p.grad is not None}
-
-
-def _stage(scaler: GradScaler, optimizer: Any) -> OptState:
-    return scaler._per_optimizer_states[id(_inner_optimizer(optimizer))]["stage"]
 
 
 def accelerate_clip_grad_norm_(accelerator: Any, parameters: Any, max_norm: float,
@@ -104,8 +99,8 @@ def lightning_precision_plugin(device: str = "cuda", scaler: GradScaler | None =
 
             def closure_then_defer():
                 result = closure()
-                if result is not None or not model.automatic_optimization:
-                    self.scaler.unscale_ = self._unscale_later  # Lightning unscales next
+                if result is not None:  # Lightning's next call is its unscale_
+                    self.scaler.unscale_ = self._unscale_later
                 return result
 
             try:  # Lightning's own step, with its unscale moved into the clip
@@ -129,7 +124,7 @@ def lightning_precision_plugin(device: str = "cuda", scaler: GradScaler | None =
             """``scaler.unscale_`` from the closure's end until the deferral ends: Lightning's
             own call is deferred; any other sees Lightning's state (the deferred unscale done
             first: torch's error for a second unscale of one optimizer, as Lightning's)."""
-            if self._deferred is None and _stage(self.scaler, optimizer) is OptState.READY:
+            if self._deferred is None:
                 self._deferred = optimizer
                 return
             self._unscale_deferred_now()
@@ -140,13 +135,10 @@ def lightning_precision_plugin(device: str = "cuda", scaler: GradScaler | None =
             self._unscale_deferred_now()  # no clip by norm took it: before the step
 
         def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-            deferred, inner = self._end_deferral(), _inner_optimizer(optimizer)
-            if deferred is not None and _inner_optimizer(deferred) is inner:
-                self.scaler.clip_grad_norm_(inner, float(clip_val), sharded=False)
-                return None
-            if deferred is not None:
-                self.scaler.unscale_(deferred)
-            return super().clip_grad_by_norm(optimizer, clip_val)  # Lightning's own
+            if self._end_deferral() is None:  # no unscale deferred: Lightning's own clip
+                return super().clip_grad_by_norm(optimizer, clip_val)
+            self.scaler.clip_grad_norm_(_inner_optimizer(optimizer), float(clip_val),
+                                        sharded=False)
 
         def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
             self._unscale_deferred_now()  # unscaled first, as Lightning's
