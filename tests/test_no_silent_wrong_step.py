@@ -2,6 +2,7 @@
 through the interpreter), torch's scaler or torch's op as the oracle, compared exactly."""
 
 import math
+import os
 import warnings
 
 import pytest
@@ -245,6 +246,19 @@ def test_the_plain_step_warns_of_an_underflowed_scale_it_reads(backend):
             counts.append(len([w for w in caught if "underflowed" in str(w.message)]))
     assert counts == [0, 0, 1, 1]
     assert [w.filename for w in caught if "underflowed" in str(w.message)] == [__file__]
+
+
+def test_a_warning_goes_to_a_file_beside_the_package_as_user_code():
+    """``warn_at_caller`` skips the package's own frames, by directory: a user's file whose
+    path merely starts with the package directory's (``.../triton_scaler_user.py``) is not
+    one of them."""
+    from triton_scaler import _warn
+    beside = os.path.dirname(_warn.__file__) + "_user.py"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile("warn_at_caller('from user code')", beside, "exec"),
+             {"warn_at_caller": _warn.warn_at_caller})
+    assert [w.filename for w in caught] == [beside]
 
 
 def test_a_loaded_checkpoint_rearms_the_underflow_warning(backend):

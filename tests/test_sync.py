@@ -109,8 +109,16 @@ def test_a_deferred_host_copy_completes_on_the_stream_of_the_copied_tensor(monke
     monkeypatch.setattr(torch, "empty",
                         lambda *a, pin_memory=False, **k: pinned.append(pin_memory) or empty(
                             *a, **k))
+    copy, blocking = torch.Tensor.copy_, []
+
+    def copy_recorded(self, src, non_blocking=False):
+        blocking.append(not non_blocking)
+        return copy(self, src)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_recorded)
     src = torch.tensor([65536.0, 1.0], dtype=torch.float64)  # not the default dtype
     host, event = _host_copy.copy_to_host_async(src)
+    assert blocking == [False]  # the host does not wait for the copy
     assert Event.recorded_on == [f"stream of {src.device}"] and streams == [src.device]
     assert pinned == [True]  # page-locked: the copy can run without blocking the host
     assert host.dtype == src.dtype and torch.equal(host, src)
