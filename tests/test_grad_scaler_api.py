@@ -51,6 +51,9 @@ def test_closure_and_fp16_and_missing_scale(backend):
         scaler.unscale_(opt16)
     with pytest.raises(AssertionError, match="Attempted update but _scale is None"):
         GradScaler("cpu", backend=backend).update()
+    for name in ("unscale_", "step", "_check_inf_per_device"):  # grads, but scale() not called
+        with pytest.raises(AssertionError, match=f"Attempted {name} but _scale is None"):
+            getattr(GradScaler("cpu", backend=backend), name)(opt)
     with pytest.raises(AssertionError, match="No inf checks were recorded prior to update."):
         s = GradScaler("cpu", backend=backend)
         s.scale(torch.ones(()))
@@ -103,11 +106,16 @@ def test_disabled_is_a_pass_through(backend):
     scaler = GradScaler("cpu", enabled=False, backend=backend)
     loss = torch.ones(())
     assert scaler.scale(loss) is loss
+    outputs = iter([loss])  # anything, unchecked and unconsumed, as torch's
+    assert scaler.scale(outputs) is outputs and next(outputs) is loss
+    assert scaler.scale("not a tensor") == "not a tensor"
     assert scaler.state_dict() == {} and scaler.get_scale() == 1.0
     torch.amp.GradScaler("cpu", enabled=False).load_state_dict({})  # a no-op, as here:
     scaler.load_state_dict({})
     assert not scaler.last_step_skipped.item()
     p, opt = _setup(scaler)
+    scaler.unscale_(opt)  # a no-op, as torch's
+    assert torch.equal(p.grad, torch.full((4,), 2.0))
     scaler.step(opt)
     scaler.update()
     assert scaler.skipped_steps == 0

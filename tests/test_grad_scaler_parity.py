@@ -150,3 +150,31 @@ def test_gradient_penalty_recipe_as_torchs(backend, buckets, fused):
     assert expected[0][3] == expected[0][2] / 2  # the overflow was seen and backed off
     assert actual[0] == expected[0]
     assert_all_same(actual[1], expected[1])
+
+
+def _many_optimizers_run(scaler, overflowing):
+    """Two iterations over 10 optimizers (past the scaler's 8 found_inf slots), optimizer
+    ``overflowing``'s grad non-finite in the first: (params, scale, growth tracker)."""
+    params = [torch.nn.Parameter(torch.full((3,), float(i + 1))) for i in range(10)]
+    opts = [torch.optim.SGD([p], lr=0.1) for p in params]
+    for iteration in range(2):
+        loss = sum((p * p).sum() for p in params)
+        scaler.scale(loss).backward()
+        if iteration == 0 and overflowing is not None:
+            params[overflowing].grad[-1] = torch.nan
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+        for opt in opts:
+            opt.zero_grad()
+    return params, scaler.get_scale(), scaler._get_growth_tracker()
+
+
+@pytest.mark.parametrize("overflowing", [None, 0, 7, 8, 9])
+def test_optimizers_past_the_found_inf_slots_as_torchs(backend, overflowing):
+    kwargs = dict(init_scale=2.0**10, growth_interval=2)
+    expected = _many_optimizers_run(torch.amp.GradScaler("cpu", **kwargs), overflowing)
+    actual = _many_optimizers_run(triton_scaler.GradScaler("cpu", **kwargs, backend=backend),
+                                  overflowing)
+    assert actual[1:] == expected[1:]
+    assert_all_same(actual[0], expected[0])
