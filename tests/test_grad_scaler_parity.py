@@ -178,3 +178,14 @@ def test_optimizers_past_the_found_inf_slots_as_torchs(backend, overflowing):
                                   overflowing)
     assert actual[1:] == expected[1:]
     assert_all_same(actual[0], expected[0])
+
+
+@pytest.mark.parametrize("device", [torch.device("cpu"), "cpu:0"], ids=["torch.device", "cpu:0"])
+def test_a_device_given_as_torch_takes_it(backend, device):
+    """``device`` as a ``torch.device``, or a string with an index: taken as torch's scaler
+    takes it (not refused), with the same trajectory and parameters."""
+    kwargs = dict(init_scale=2.0**10, growth_interval=3)
+    expected = train(torch.amp.GradScaler(device, **kwargs), steps=8)
+    actual = train(triton_scaler.GradScaler(device, **kwargs, backend=backend), steps=8)
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])

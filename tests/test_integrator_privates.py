@@ -287,3 +287,29 @@ def test_a_second_check_in_one_iteration_replaces_the_first_as_torch(backend):
     assert theirs[:2] == [[(torch.device("cpu"), 1.0)], [(torch.device("cpu"), 0.0)]]
     assert theirs[2] == 2.0**11
     assert_all_same(our_params, their_params)
+
+
+@pytest.mark.parametrize("override", [False, True], ids=["plain", "overriding_unscale_grads"])
+def test_a_check_after_unscale_decides_the_step_as_torchs(backend, override):
+    """``unscale_`` finds an inf, the grad is mended, ``_check_inf_per_device`` finds none:
+    torch's step reads the check's record, so it steps and the scale grows. Through a
+    subclass overriding ``_unscale_grads_`` the records are copies of the flag (torch's
+    ``_MultiDeviceReplicator``), so the overflow agreed at ``unscale_`` must be dropped."""
+    results = []
+    for base in (torch.amp.GradScaler, GradScaler):
+        kwargs = {} if base is torch.amp.GradScaler else {"backend": backend}
+        make = _fp16_unscaling(base) if override else base
+        scaler = make("cpu", init_scale=2.0**10, growth_interval=1, **kwargs)
+        scaler.calls = []
+        params = _params(torch.float32, math.inf, (1, -1))
+        opt = torch.optim.SGD(params, lr=0.1)
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        scaler.unscale_(opt)
+        params[1].grad[-1] = 0.0
+        checked = _values(scaler._check_inf_per_device(opt))
+        scaler.step(opt)
+        scaler.update()
+        results.append((checked, scaler.get_scale(), [p.detach().clone() for p in params]))
+    (*theirs, their_params), (*ours, our_params) = results
+    assert ours == theirs == [[(torch.device("cpu"), 0.0)], 2.0**11]
+    assert_all_same(our_params, their_params)
