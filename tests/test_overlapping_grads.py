@@ -183,6 +183,27 @@ def test_grad_scaler_reference_is_torchs_and_triton_refuses_before_any_change(ba
     assert_same(q.detach(), torch.full((4,), -2.0, dtype=torch.float64))
 
 
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_grad_scaler_read_only_check_reads_it_as_torchs(backend, overflow):
+    """The integrators' ``_check_inf_per_device`` (the fused optimizers' read-only check)
+    writes no grad: the overlapping grad beside another group is read, not refused, and an
+    inf reached only through its last element is found, as torch's; ``update()`` after it.
+    (torch's fused CPU optimizers read such a grad as if it were contiguous: no step here.)"""
+    results = []
+    for which in ("torch", backend):
+        scaler, opt, base, _, q = _scaler_setup(which)
+        if overflow:
+            base[4] = math.inf
+        found = [t.item() for t in scaler._check_inf_per_device(opt).values()]
+        scaler.update()
+        results.append((found, base, q.grad, scaler._scale))
+    (their_found, *theirs), (found, *ours) = results
+    assert found == their_found == [float(overflow)]
+    for mine, their in zip(ours, theirs):
+        assert_same(mine, their)
+    assert theirs[2].item() == (1.0 if overflow else 2.0)
+
 def test_the_range_test_agrees_with_every_pair_compared():
     gen = torch.Generator().manual_seed(0)
     seen = {True: 0, False: 0}
