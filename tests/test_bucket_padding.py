@@ -44,6 +44,8 @@ def _train(scaler, *, buckets: bool, route: str, zero: str, bad_scale: float,
         scaler.scale(loss * (math.inf if it == 2 else 1.0)).backward()
         if route != "plain":
             scaler.unscale_(opt)
+        if route == "check_after_unscale":  # an integrator's check after the user's unscale_
+            scaler._check_inf_per_device(opt)
         if route != "unscale_without_step" or it != 2:
             scaler.step(opt)
         new_scale = {1: torch.tensor(bad_scale, device=device), 2: RESET_SCALE}.get(it)
@@ -74,6 +76,29 @@ def test_training_recovers_as_torchs_after_the_scale_is_reset(backend, bad_scale
     assert math.isnan(bad_scale) or actual[0][1] == expected[0][1]
     assert_all_same(actual[1], expected[1])
 
+
+def _overriding_unscale_grads(base):
+    class OverridingUnscaleGrads(base):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+    return OverridingUnscaleGrads
+
+
+@pytest.mark.parametrize("bad_scale", [0.0, math.nan], ids=["0", "nan"])
+@pytest.mark.parametrize("override", [False, True], ids=["ours", "overriding_unscale_grads"])
+def test_a_check_after_the_unscale_leaves_the_padding_to_be_rezeroed(backend, bad_scale,
+                                                                      override):
+    """``_check_inf_per_device`` after ``unscale_`` (through a subclass overriding
+    ``_unscale_grads_``: an unscale by 1.0, which leaves a NaN padding NaN) must not drop the
+    unscale's record of the padding it wrote: training recovers as torch's."""
+    kwargs = dict(init_scale=2.0**12, growth_interval=2)
+    wrap = _overriding_unscale_grads if override else (lambda base: base)
+    args = dict(route="check_after_unscale", zero="set_to_none=False", bad_scale=bad_scale)
+    expected = _train(wrap(torch.amp.GradScaler)("cpu", **kwargs), buckets=False, **args)
+    actual = _train(wrap(GradScaler)("cpu", backend=backend, **kwargs), buckets=True, **args)
+    assert actual[0][:1] + actual[0][2:] == expected[0][:1] + expected[0][2:]
+    assert expected[0][-1] > RESET_SCALE
+    assert_all_same(actual[1], expected[1])
 
 @pytest.mark.parametrize("route", ["plain", "fused_after_unscale"])
 def test_training_recovers_as_torchs_on_the_gpu(cuda, route):

@@ -209,8 +209,10 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         found_inf = self._found_inf_flag(state)
         if self._overrides_unscale_grads():  # as torch: an unscale by 1.0 through the override
             ones = torch.ones((), dtype=torch.float32, device=self._scale.device)
+            written = state.get("written_padding")  # by an unscale_ before: may be NaN
             state["found_inf_per_device"] = self._unscale_grads_(optimizer, ones, found_inf, True)
-            state.pop("written_padding", None)  # times 1.0: the padding is still zero
+            if written is None:  # times 1.0: the padding is as it was, zero
+                state.pop("written_padding", None)
         else:
             state["found_inf_per_device"] = self._unscale_or_check(optimizer, None, found_inf,
                                                                    True, write=False)
