@@ -62,3 +62,18 @@ def test_every_bound_is_inclusive():
         assert scaler.state_dict()["_hysteresis_tracker"] == tracker
     with pytest.raises(ValueError, match=r"_hysteresis_tracker'\] must be an int <= hysteresis"):
         scaler.load_state_dict({**state, "_hysteresis_tracker": -(2**31) - 1})
+
+
+@pytest.mark.parametrize("value, name", [([2.0], "growth_factor"), ({"x": 1}, "backoff_factor"),
+                                         ([10], "growth_interval"), ({0.5}, "min_scale")])
+def test_an_unhashable_setting_of_update_scale_is_named(backend, value, name):
+    """``ops.update_scale_``'s per-step policy cache is keyed by the settings: an unhashable
+    one (a list, a dict, a set) gets the same error naming the argument as any other bad
+    type, not Python's "unhashable type", and nothing changes."""
+    from triton_scaler import ops
+
+    scale, tracker, found = torch.full((), 8.0), torch.zeros((), dtype=torch.int32), torch.ones(())
+    settings = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=10)
+    with pytest.raises(TypeError, match=f"{name} must be a"):
+        ops.update_scale_(scale, tracker, found, **{**settings, name: value}, backend=backend)
+    assert scale.item() == 8.0 and tracker.item() == 0

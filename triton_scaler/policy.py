@@ -213,7 +213,10 @@ def cached_policy(**values: Any) -> ScalePolicy:
     """:meth:`ScalePolicy.create` for per-step callers (``ops.update_scale_``): settings seen
     before are not validated again."""
     key = tuple((k, type(v), v) for k, v in sorted(values.items()))
-    policy = _policy_cache.get(key)
+    try:
+        policy = _policy_cache.get(key)
+    except TypeError:  # an unhashable setting (a list, a dict): validation names it
+        return ScalePolicy.create(values)
     if policy is None:
         policy = ScalePolicy.create(values)
         if len(_policy_cache) > 256:
