@@ -189,3 +189,35 @@ def test_a_warning_from_compiled_code_points_at_the_users_line(backend):
     underflow = [w for w in caught if "underflowed" in str(w.message)]
     assert [(w.filename, w.lineno) for w in underflow] == [
         (__file__, train_step.__code__.co_firstlineno + 2)]
+
+
+def test_eager_calls_do_not_go_through_dynamo(backend, monkeypatch):
+    """In eager code the wrapped calls are the methods themselves: no ``torch._dynamo.disable``
+    wrapper per call (its cost is for compiled callers only)."""
+    import torch._dynamo
+
+    ours = []  # torch's optimizers wrap their own methods lazily: only ours are refused
+    original = torch._dynamo.disable
+
+    def recorded(fn=None, *args, **kwargs):
+        if getattr(fn, "__module__", "").startswith("triton_scaler"):
+            ours.append(fn.__qualname__)
+        return original(fn, *args, **kwargs)
+
+    monkeypatch.setattr(torch._dynamo, "disable", recorded)
+    p = torch.nn.Parameter(torch.ones(5))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = GradScaler("cpu", backend=backend)
+    for clip in (False, True):
+        scaler.scale(p.sum()).backward()
+        if clip:
+            scaler.clip_grad_norm_(opt, 1.0)
+        else:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    scale, tracker = torch.full((), 4.0), torch.zeros((), dtype=torch.int32)
+    ops.update_scale_(scale, tracker, torch.zeros(()), 2.0, 0.5, 1, backend=backend)
+    assert scale.item() == 8.0
+    assert ours == []
