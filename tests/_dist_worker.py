@@ -8,7 +8,8 @@ import torch.distributed as dist
 from _spawn import init_group
 
 
-def run(rank, world_size, store_file, optimizer_name, backend, overflow_steps, out_dir):
+def run(rank, world_size, store_file, optimizer_name, backend, overflow_steps, out_dir,
+        unscale_first=False):
     init_group(rank, world_size, store_file)
     all_reduce, all_reduces = dist.all_reduce, []
 
@@ -29,7 +30,7 @@ def run(rank, world_size, store_file, optimizer_name, backend, overflow_steps, o
         scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=3, backend=backend,
                             process_group=dist.group.WORLD)
         gen = torch.Generator().manual_seed(rank + 1)  # each rank its own shard of data
-        skipped, scales = [], []
+        skipped, scales, found = [], [], []
         for step in range(12):
             before = [p.detach().clone() for p in model.parameters()]
             state_before = {k: v.clone() if torch.is_tensor(v) else v
@@ -38,6 +39,9 @@ def run(rank, world_size, store_file, optimizer_name, backend, overflow_steps, o
             if rank == 1 and step in overflow_steps:
                 loss = loss * math.inf
             scaler.scale(loss).backward()
+            if unscale_first:  # what an integrator's skip check reads right after unscale_
+                scaler.unscale_(opt)
+                found.append(sum(v.item() for v in scaler._found_inf_per_device(opt).values()))
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
@@ -51,7 +55,8 @@ def run(rank, world_size, store_file, optimizer_name, backend, overflow_steps, o
             else:
                 assert not unchanged or step == 0
             scales.append(scaler.get_scale())
-        torch.save({"skipped": skipped, "scales": scales, "all_reduces": len(all_reduces)},
+        torch.save({"skipped": skipped, "scales": scales, "all_reduces": len(all_reduces),
+                    "found_after_unscale": found},
                    os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # gloo's teardown can abort a rank that destroys the group early
     finally:

@@ -13,12 +13,20 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="needs torch.distributed with gloo")
 
 
-@pytest.mark.parametrize("optimizer_name", ["sgd_momentum", "adamw_fused"])
-def test_ranks_agree_on_overflow(tmp_path, backend, optimizer_name):
+@pytest.mark.parametrize("optimizer_name, unscale_first", [
+    ("sgd_momentum", False), ("adamw_fused", False), ("sgd_momentum", True)])
+def test_ranks_agree_on_overflow(tmp_path, backend, optimizer_name, unscale_first):
+    """With ``unscale_`` called first, its record (``_found_inf_per_device``, read by
+    integrators' skip checks) is already agreed on both ranks, as torch's
+    ShardedGradScaler's (which all-reduces in ``unscale_``)."""
     overflow_steps = (2, 3, 7)
-    spawn_bounded(run, (2, store_file_in(tmp_path), optimizer_name, backend, overflow_steps, str(tmp_path)),
-                  timeout_s=180)
+    spawn_bounded(run, (2, store_file_in(tmp_path), optimizer_name, backend, overflow_steps,
+                        str(tmp_path), unscale_first), timeout_s=180)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    for result in results:
+        found = result["found_after_unscale"]
+        assert found == ([1.0 if s in overflow_steps else 0.0 for s in range(12)]
+                         if unscale_first else [])
     assert results[0]["skipped"] == results[1]["skipped"] == list(overflow_steps)
     assert results[0]["scales"] == results[1]["scales"]
     assert results[0]["all_reduces"] == results[1]["all_reduces"] == 12  # one per iteration
