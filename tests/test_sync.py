@@ -58,7 +58,11 @@ def test_the_counter_can_fail():
         bool(torch.ones(()))
         with c.paused():
             torch.ones(()).tolist()
-    assert c.count == 2
+            with c.paused():  # nested
+                torch.ones(()).item()
+            torch.ones(()).item()
+        torch.ones(()).item()  # counted again once the pause ends
+    assert c.count == 3
     t = torch.ones(())
     for name in ("item", "__bool__", "tolist", "cpu", "numpy", "__float__", "__int__"):
         with count_host_syncs() as c:  # each host read counts once
