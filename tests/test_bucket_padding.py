@@ -136,6 +136,24 @@ def test_padding_is_rezeroed_only_when_the_step_may_have_written_nan(backend, mo
         grad_buckets.zero_()
 
 
+@pytest.mark.parametrize("overflow", [False, True])
+def test_no_rezeroing_after_a_check_through_an_overriding_subclass(backend, monkeypatch,
+                                                                   overflow):
+    """A fused optimizer's check through a subclass overriding ``_unscale_grads_`` is an
+    unscale by 1.0: the padding stays zero, so ``update()`` makes no fill."""
+    fills = []
+    original = torch.Tensor.index_fill_
+    monkeypatch.setattr(torch.Tensor, "index_fill_",
+                        lambda self, *a: fills.append(self.numel()) or original(self, *a))
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 33)]
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    GradBuckets(opt)
+    scaler = _overriding_unscale_grads(GradScaler)("cpu", backend=backend)
+    scaler.scale(sum(p.sum() for p in params) * (math.inf if overflow else 1.0)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert fills == [] and scaler.last_step_skipped.item() == overflow
+
 @pytest.mark.filterwarnings("ignore:1 gradient\\(s\\) are no longer views")  # set_to_none
 @pytest.mark.parametrize("zero", ["set_to_none=False", "set_to_none=True"])
 def test_a_nan_norm_leaves_no_nan_in_the_view_of_a_parameter_without_a_gradient(backend, zero):
