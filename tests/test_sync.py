@@ -61,8 +61,9 @@ def test_the_counter_can_fail():
             with c.paused():  # nested
                 torch.ones(()).item()
             torch.ones(()).item()
+        assert c.count == 2
         torch.ones(()).item()  # counted again once the pause ends
-    assert c.count == 3
+        assert c.count == 3
     t = torch.ones(())
     for name in ("item", "__bool__", "tolist", "cpu", "numpy", "__float__", "__int__"):
         with count_host_syncs() as c:  # each host read counts once
