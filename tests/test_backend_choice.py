@@ -78,3 +78,23 @@ def test_the_reference_backend_never_reaches_triton(monkeypatch):
     scale, tracker = torch.full((), 8.0), torch.zeros((), dtype=torch.int32)
     ops.update_scale_(scale, tracker, found, 2.0, 0.5, 3, backend="reference")
     assert scale.item() == 4.0
+
+
+@pytest.mark.parametrize("interpreting", [False, True])
+def test_the_choice_for_cuda_tensors(monkeypatch, interpreting):
+    """Decided without a GPU (a ``torch.device("cuda")`` needs none): ``"auto"`` and
+    ``"triton"`` take the kernels for CUDA tensors whether or not the interpreter is on,
+    ``"reference"`` never does; ``"triton"`` on CPU tensors only under the interpreter."""
+    from triton_scaler import _backend
+
+    monkeypatch.setattr(_backend, "triton_interpreting", lambda: interpreting)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert [_backend.resolve_backend(b, cuda) for b in ("auto", "triton", "reference")] == \
+        ["triton", "triton", "reference"]
+    assert [_backend.resolve_backend(b, cpu) for b in ("auto", "reference")] == \
+        ["reference", "reference"]
+    if interpreting:
+        assert _backend.resolve_backend("triton", cpu) == "triton"
+    else:
+        with pytest.raises(RuntimeError, match="backend='triton' runs on CUDA tensors"):
+            _backend.resolve_backend("triton", cpu)
