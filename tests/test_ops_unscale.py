@@ -201,6 +201,11 @@ def test_empty_list_and_empty_tensors(backend):
     ops.non_finite_check_and_unscale_([], found, torch.tensor(1.0), backend=backend)
     ops.non_finite_check_and_unscale_([torch.empty(0), torch.empty(0, 3)], found,
                                       torch.tensor(1.0), backend=backend)
+    for inv_scale in (2.0, math.inf, math.nan):  # products that may overflow: none to check
+        ops.non_finite_check_and_unscale_([torch.empty(0), torch.empty(0, 3)], found,
+                                          torch.tensor(inv_scale), backend=backend)
+        ops.non_finite_check_([torch.empty(0, dtype=torch.float16)], found,
+                              torch.tensor(inv_scale), backend=backend)
     assert found.item() == 0.0
 
 
