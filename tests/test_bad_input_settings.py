@@ -3,6 +3,7 @@ directly or by the scaler): numpy scalars taken as numbers, every value validate
 normalised, each accepted range inclusive of its ends, the per-step policy cache."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -36,6 +37,13 @@ def test_a_policy_built_directly_is_validated_and_normalised():
     first = cached_policy(growth_interval=7, hysteresis=2)
     assert cached_policy(growth_interval=5) is not first
     assert cached_policy(hysteresis=2, growth_interval=7) is first
+    # the kernel's parameter buffer: made once per device and values (no copy per call)
+    params = first.kernel_params("cpu")
+    assert params.dtype == torch.float64 and params.tolist() == [2.0, 0.5, 7.0, 0.0, math.inf,
+                                                                 2.0]
+    assert ScalePolicy(growth_interval=7, hysteresis=2).kernel_params(torch.device("cpu")) \
+        is params
+    assert first.replace(hysteresis=3).kernel_params("cpu") is not params
     # the defaults are torch's GradScaler's
     theirs = torch.amp.GradScaler("cpu")
     assert (ScalePolicy().growth_factor, ScalePolicy().backoff_factor,
