@@ -85,3 +85,14 @@ def test_an_unhashable_setting_of_update_scale_is_named(backend, value, name):
     with pytest.raises(TypeError, match=f"{name} must be a"):
         ops.update_scale_(scale, tracker, found, **{**settings, name: value}, backend=backend)
     assert scale.item() == 8.0 and tracker.item() == 0
+
+
+def test_the_settings_caches_stay_bounded():
+    """Per-step callers with ever-new settings (a schedule of growth intervals) do not grow
+    the policy cache or the kernel parameter cache without bound."""
+    from triton_scaler import policy as policy_module
+
+    for interval in range(1, 400):
+        cached_policy(growth_interval=interval).kernel_params("cpu")
+    assert len(policy_module._policy_cache) <= 257
+    assert len(policy_module._params_cache) <= 65
