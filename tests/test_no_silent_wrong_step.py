@@ -171,6 +171,13 @@ def test_read_only_check_flags_overflowing_products(backend):
     ops.non_finite_check_([torch.tensor([3e38]), torch.ones(3)], found, torch.tensor(2.0),
                           backend=backend)
     assert found.item() == 1.0
+    # a float64 grad past float32's range: its product is formed in float64 (finite), as
+    # the unscale forms it (torch's op too), so neither flags it
+    grads = [torch.ones(3), torch.tensor([1e300, -3.0], dtype=torch.float64)]
+    found, unscaled = torch.zeros(()), torch.zeros(())
+    ops.non_finite_check_(grads, found, torch.tensor(2.0), backend=backend)
+    ops.non_finite_check_and_unscale_(grads, unscaled, torch.tensor(2.0), backend=backend)
+    assert found.item() == unscaled.item() == 0.0 and grads[1].tolist() == [2e300, -6.0]
 
 
 # ------------------------------------------------------------ 5. the read-only check never writes
