@@ -21,9 +21,13 @@ def test_numpy_scalars_are_numbers():
     assert type(scaler.get_growth_interval()) is int
 
 
-def test_a_policy_built_directly_is_validated_and_normalised():
+def test_a_policy_built_directly_is_validated_and_normalised(monkeypatch):
     """``ScalePolicy(...)`` (public) checks and normalises its values as the scaler does;
     ``cached_policy`` (``ops.update_scale_``'s per-step path) validates settings once."""
+    from triton_scaler import policy as policy_module
+
+    for cache in ("_policy_cache", "_params_cache"):  # none near its bound from other tests
+        monkeypatch.setattr(policy_module, cache, {})
     with pytest.raises(ValueError, match="The growth factor must be > 1.0"):
         ScalePolicy(growth_factor=0.5)
     with pytest.raises(TypeError, match="hysteresis must be an int"):
@@ -44,6 +48,7 @@ def test_a_policy_built_directly_is_validated_and_normalised():
     assert ScalePolicy(growth_interval=7, hysteresis=2).kernel_params(torch.device("cpu")) \
         is params
     assert first.replace(hysteresis=3).kernel_params("cpu") is not params
+    assert first.kernel_params("cpu") is params  # kept beside another policy's
     # the defaults are torch's GradScaler's
     theirs = torch.amp.GradScaler("cpu")
     assert (ScalePolicy().growth_factor, ScalePolicy().backoff_factor,
