@@ -100,6 +100,16 @@ def test_setters_validate_and_reach_the_device(backend):
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() == 3.0
+    # torch's getters and state_dict read the attributes the setters change, as torch's
+    scaler.set_backoff_factor(0.25)
+    scaler.set_growth_interval(7)
+    settings = (scaler.get_growth_factor(), scaler.get_backoff_factor(),
+                scaler.get_growth_interval())
+    assert settings == (3.0, 0.25, 7)
+    assert tuple(scaler.state_dict()[k] for k in ("growth_factor", "backoff_factor",
+                                                  "growth_interval")) == settings
+    scaler._growth_interval = 5  # torch's attribute, assigned as torch's __init__ does
+    assert scaler.policy.growth_interval == scaler.get_growth_interval() == 5
 
 
 def test_disabled_is_a_pass_through(backend):
