@@ -9,7 +9,7 @@ import torch
 from _loops import train
 
 import triton_scaler
-from triton_scaler import GradScaler, MinScaleReachedError, ScalerArgumentError
+from triton_scaler import GradScaler, MinScaleReachedError, ScalePolicy, ScalerArgumentError
 
 
 def _setup(scaler, dtype=torch.float32, fused=False):
@@ -142,6 +142,12 @@ def test_torch_state_dict_loads_into_ours_and_back(backend):
     again.load_state_dict(ours.state_dict())
     assert again.state_dict() == theirs.state_dict()
     assert ours.state_dict()["hysteresis"] == 1 and ours.state_dict()["skipped_steps"] == 0
+    # torch's dict has no extension keys: this scaler keeps its own settings (docstring)
+    kept = GradScaler("cpu", hysteresis=3, min_scale=1.0, skip_on_overflow=False,
+                      backend=backend)
+    kept.load_state_dict(theirs.state_dict())
+    assert kept.policy == ScalePolicy(growth_interval=3, hysteresis=3, min_scale=1.0,
+                                      skip_on_overflow=False)
 
 
 def test_extension_state_survives_a_checkpoint(backend):
