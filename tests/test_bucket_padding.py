@@ -100,6 +100,7 @@ def test_a_check_after_the_unscale_leaves_the_padding_to_be_rezeroed(backend, ba
     assert expected[0][-1] > RESET_SCALE
     assert_all_same(actual[1], expected[1])
 
+
 @pytest.mark.parametrize("route", ["plain", "fused_after_unscale"])
 def test_training_recovers_as_torchs_on_the_gpu(cuda, route):
     kwargs = dict(init_scale=2.0**12, growth_interval=2)
@@ -153,6 +154,7 @@ def test_no_rezeroing_after_a_check_through_an_overriding_subclass(backend, monk
     scaler.step(opt)
     scaler.update()
     assert fills == [] and scaler.last_step_skipped.item() == overflow
+
 
 @pytest.mark.filterwarnings("ignore:1 gradient\\(s\\) are no longer views")  # set_to_none
 @pytest.mark.parametrize("zero", ["set_to_none=False", "set_to_none=True"])

@@ -196,7 +196,7 @@ def test_eager_calls_do_not_go_through_dynamo(backend, monkeypatch):
     wrapper per call (its cost is for compiled callers only)."""
     import torch._dynamo
 
-    ours = []  # torch's optimizers wrap their own methods lazily: only ours are refused
+    ours = []  # torch's optimizers wrap their own methods lazily: only ours recorded
     original = torch._dynamo.disable
 
     def recorded(fn=None, *args, **kwargs):

@@ -183,7 +183,6 @@ def test_grad_scaler_reference_is_torchs_and_triton_refuses_before_any_change(ba
     assert_same(q.detach(), torch.full((4,), -2.0, dtype=torch.float64))
 
 
-
 @pytest.mark.parametrize("overflow", [False, True])
 def test_grad_scaler_read_only_check_reads_it_as_torchs(backend, overflow):
     """The integrators' ``_check_inf_per_device`` (the fused optimizers' read-only check)
@@ -203,6 +202,7 @@ def test_grad_scaler_read_only_check_reads_it_as_torchs(backend, overflow):
     for mine, their in zip(ours, theirs):
         assert_same(mine, their)
     assert theirs[2].item() == (1.0 if overflow else 2.0)
+
 
 def test_the_range_test_agrees_with_every_pair_compared():
     gen = torch.Generator().manual_seed(0)
