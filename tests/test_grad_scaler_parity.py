@@ -154,7 +154,8 @@ def test_gradient_penalty_recipe_as_torchs(backend, buckets, fused):
 
 def _many_optimizers_run(scaler, overflowing):
     """Two iterations over 10 optimizers (past the scaler's 8 found_inf slots), optimizer
-    ``overflowing``'s grad non-finite in the first: (params, scale, growth tracker)."""
+    ``overflowing``'s grad non-finite in the first: (params, scale, growth tracker, the
+    dtypes of the scale, the growth tracker and every optimizer's found_inf)."""
     params = [torch.nn.Parameter(torch.full((3,), float(i + 1))) for i in range(10)]
     opts = [torch.optim.SGD([p], lr=0.1) for p in params]
     for iteration in range(2):
@@ -164,10 +165,13 @@ def _many_optimizers_run(scaler, overflowing):
             params[overflowing].grad[-1] = torch.nan
         for opt in opts:
             scaler.step(opt)
+        dtypes = [scaler._scale.dtype, scaler._growth_tracker.dtype] + [
+            found_inf.dtype for opt in opts
+            for found_inf in scaler._found_inf_per_device(opt).values()]
         scaler.update()
         for opt in opts:
             opt.zero_grad()
-    return params, scaler.get_scale(), scaler._get_growth_tracker()
+    return params, scaler.get_scale(), scaler._get_growth_tracker(), dtypes
 
 
 @pytest.mark.parametrize("overflowing", [None, 0, 7, 8, 9])
@@ -176,6 +180,24 @@ def test_optimizers_past_the_found_inf_slots_as_torchs(backend, overflowing):
     expected = _many_optimizers_run(torch.amp.GradScaler("cpu", **kwargs), overflowing)
     actual = _many_optimizers_run(triton_scaler.GradScaler("cpu", **kwargs, backend=backend),
                                   overflowing)
+    assert actual[1:] == expected[1:]
+    assert_all_same(actual[0], expected[0])
+
+
+def test_a_float64_default_dtype_leaves_torchs_float32_state(backend):
+    """Under ``torch.set_default_dtype(torch.float64)`` (float64 params) the scale and every
+    optimizer's found_inf, past the 8 slots too, are float32 as torch's, and the run is
+    torch's."""
+    kwargs = dict(init_scale=2.0**10, growth_interval=2)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        expected = _many_optimizers_run(torch.amp.GradScaler("cpu", **kwargs), 9)
+        actual = _many_optimizers_run(triton_scaler.GradScaler("cpu", **kwargs, backend=backend),
+                                      9)
+    finally:
+        torch.set_default_dtype(default)
+    assert expected[0][0].dtype == torch.float64 and expected[3][0] == torch.float32
     assert actual[1:] == expected[1:]
     assert_all_same(actual[0], expected[0])
 

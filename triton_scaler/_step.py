@@ -123,7 +123,7 @@ class StepMixin:
         if state["found_inf_per_device"] and self._policy.skip_on_overflow:
             optimizer.found_inf = self._agree_found_inf(state)
         else:  # no grads (torch hands the optimizer 0), or steps are never skipped
-            optimizer.found_inf = torch.zeros((), device=scale.device)
+            optimizer.found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         retval = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         del optimizer.grad_scale

@@ -31,7 +31,7 @@ def bool_flags(device: torch.device) -> torch.Tensor:
     """``[0.0, 1.0]`` (float32) on ``device``, made once per scaler: a host bool ``b`` becomes
     the device flag ``flags[int(b)]``, a view, with no host-to-device copy per step (on CUDA a
     copy from a Python value synchronises)."""
-    return torch.tensor([0.0, 1.0], device=device)
+    return torch.tensor([0.0, 1.0], dtype=torch.float32, device=device)
 
 
 def overflow_flag(overflow: bool | torch.Tensor, flags: torch.Tensor) -> torch.Tensor:

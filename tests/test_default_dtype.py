@@ -1,0 +1,98 @@
+"""A float64 default dtype (``torch.set_default_dtype(torch.float64)``, common in scientific
+code) changes none of the scalers' state dtypes: their scales and overflow flags stay float32,
+as torch's, and every route runs exactly as under the float32 default."""
+
+import pytest
+import torch
+from _util import assert_all_same
+
+from triton_scaler import GradScaler
+from triton_scaler.compat import deepspeed, megatron, mindspore
+
+OVERFLOWS = (False, True, False, False, True, True, False, False, False, False)
+
+
+@pytest.fixture(params=[torch.float32, torch.float64], ids=["float32_default", "float64_default"])
+def default_dtype(request):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(request.param)
+    yield request.param
+    torch.set_default_dtype(previous)
+
+
+#: name: (make(backend), update(scaler, overflow: bool), the scale tensor)
+COMPAT = {
+    "deepspeed": (lambda backend: deepspeed.DynamicLossScaler(
+                      2.0**8, 2, delayed_shift=2, raise_error_at_min_scale=False, device="cpu",
+                      backend=backend),
+                  lambda scaler, overflow: scaler.update_scale(overflow),
+                  lambda scaler: scaler._scale),
+    "megatron": (lambda backend: megatron.DynamicGradScaler(
+                     2.0**8, 1.0, 2.0, 0.5, 2, 2, device="cpu", backend=backend),
+                 lambda scaler, overflow: scaler.update(overflow),
+                 lambda scaler: scaler.scale),
+    "mindspore": (lambda backend: mindspore.DynamicLossScaler(2.0**8, 2, 2, device="cpu",
+                                                             backend=backend),
+                  lambda scaler, overflow: scaler.adjust(not overflow),
+                  lambda scaler: scaler.scale_value),
+}
+
+
+def _compat_trajectory(name, backend):
+    make, update, scale_of = COMPAT[name]
+    scaler = make(backend)
+    trajectory = []
+    for overflow in OVERFLOWS:
+        update(scaler, overflow)  # a host bool: the scaler's own float32 flags, no upload
+        scale = scale_of(scaler)
+        trajectory.append((scale.dtype, scale.item()))
+    return trajectory
+
+
+@pytest.mark.parametrize("name", sorted(COMPAT))
+def test_compat_scalers_update_from_bools_as_under_float32(backend, name, default_dtype):
+    trajectory = _compat_trajectory(name, backend)
+    assert {dtype for dtype, _ in trajectory} == {torch.float32}
+    assert len({scale for _, scale in trajectory}) > 1  # it backed off and grew
+    assert trajectory == _float32_default(_compat_trajectory, name, backend)
+
+
+def _float32_default(run, *args):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        return run(*args)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _train_never_skipping(backend, fused):
+    """Six iterations of float32 params, an inf grad in the third, with a scaler that never
+    skips (skip_on_overflow=False; the inf element set back to 1 after its step): the
+    found_inf handed to a fused optimizer is float32."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, dtype=torch.float32)) for n in (7, 1, 33)]
+    opt = torch.optim.SGD(params, lr=1e-2, fused=fused)
+    scaler = GradScaler("cpu", init_scale=2.0**4, growth_interval=2, skip_on_overflow=False,
+                        backend=backend)
+    scales = []
+    for step in range(6):
+        scaler.scale(sum((p * p).sum() for p in params)).backward()
+        if step == 2:
+            params[-1].grad[-1] = float("inf")
+        scaler.step(opt)
+        if step == 2:
+            assert params[-1][-1].item() == -float("inf")  # stepped
+            params[-1].data[-1] = 1.0
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales, [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_a_scaler_that_never_skips_steps_as_under_float32(backend, fused, default_dtype):
+    scales, params = _train_never_skipping(backend, fused)
+    expected_scales, expected_params = _float32_default(_train_never_skipping, backend, fused)
+    assert scales == expected_scales == [2.0**4, 2.0**5, 2.0**4, 2.0**4, 2.0**5, 2.0**5]
+    assert_all_same(params, expected_params)
