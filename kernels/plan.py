@@ -47,7 +47,7 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
         return entry
     unique_addresses, numels = _without_aliases(addresses, numels)
     owner, offset, length, sizes = _chunks(numels, block)
-    rel = torch.tensor(unique_addresses, dtype=torch.int64).sub_(unique_addresses[0])
+    rel = torch.tensor(unique_addresses, dtype=torch.int64, device="cpu").sub_(unique_addresses[0])
     rel = rel.div_(first.element_size(), rounding_mode="floor")
     overlapping = _ranges_overlap(rel, sizes)
     table = torch.stack([rel[owner].add_(offset), length], 1)
@@ -83,11 +83,11 @@ def _chunks(numels: tuple[int, ...], block: int) -> tuple[torch.Tensor, ...]:
     chunks = recent(_chunk_patterns, key)
     if chunks is not None:
         return chunks
-    sizes = torch.tensor(numels, dtype=torch.int64)
+    sizes = torch.tensor(numels, dtype=torch.int64, device="cpu")
     n_chunks = (sizes + block - 1) // block
-    owner = torch.repeat_interleave(torch.arange(len(numels)), n_chunks)
+    owner = torch.repeat_interleave(torch.arange(len(numels), device="cpu"), n_chunks)
     first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
-    offset = (torch.arange(owner.numel()) - first_chunk[owner]) * block
+    offset = (torch.arange(owner.numel(), device="cpu") - first_chunk[owner]) * block
     return remember(_chunk_patterns, key,
                     (owner, offset, torch.clamp(sizes[owner] - offset, max=block), sizes),
                     _PATTERN_CACHE_SIZE)

@@ -64,7 +64,7 @@ class GradBucket:
         # -0.0, not 0.0: autograd accumulates into a view (grad += g), and -0.0 + g is g
         # bit for bit, a -0.0 in g included (0.0 + -0.0 is 0.0), as a fresh grad would be
         self.buffer = torch.full((total,), -0.0, dtype=self.dtype, device=self.device)
-        covered = torch.zeros(total, dtype=torch.bool)
+        covered = torch.zeros(total, dtype=torch.bool, device="cpu")
         for p, (_, _, offset) in zip(params, self._layout):
             covered[offset:offset + p.numel()] = True
         # the alignment padding: zero, and zeroed again by the scaler's update() after a

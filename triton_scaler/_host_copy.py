@@ -15,7 +15,7 @@ def copy_to_host_async(src: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Even
     (``Event().record()``), it would complete without waiting for the copy when ``src`` lives
     on another device (grads on ``cuda:1`` while ``cuda:0`` is current), and the host would
     read the pinned memory before the copy has landed."""
-    host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    host = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
     host.copy_(src, non_blocking=True)
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(src.device))

@@ -49,9 +49,9 @@ def _offsets(shape, strides, shift: int) -> torch.Tensor:
     """Every element's offset, ``shift`` plus its index times the strides, in the tensor's
     order (CPU int64): memory for ``numel`` offsets, not for the span (a column block of a
     large matrix spans the matrix)."""
-    offsets = torch.full((), shift, dtype=torch.int64)
+    offsets = torch.full((), shift, dtype=torch.int64, device="cpu")
     for size, stride in zip(shape, strides):
-        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, device="cpu") * stride
     return offsets.reshape(-1)
 
 

@@ -92,7 +92,7 @@ class ScalerStateMixin:
         self._policy = policy
         params = getattr(self, "_params_t", None)
         if params is not None:
-            values = torch.tensor(policy.kernel_values(), dtype=torch.float64)
+            values = torch.tensor(policy.kernel_values(), dtype=torch.float64, device="cpu")
             if params.is_cuda:  # stream-ordered upload that does not block the host
                 values = values.pin_memory()
             params.copy_(values, non_blocking=True)
@@ -150,7 +150,7 @@ class ScalerStateMixin:
         """0-d bool tensor on the scale's device: whether the last :meth:`update` followed a
         skipped step. Reading it as a Python bool synchronises; using it on the device does not."""
         if self._last_step_skipped is None:
-            return torch.zeros((), dtype=torch.bool)
+            return torch.zeros((), dtype=torch.bool, device="cpu")
         return self._last_step_skipped
 
     @property

@@ -1,12 +1,21 @@
-"""A float64 default dtype (``torch.set_default_dtype(torch.float64)``, common in scientific
-code) changes none of the scalers' state dtypes: their scales and overflow flags stay float32,
-as torch's, and every route runs exactly as under the float32 default."""
+"""torch's defaults changed by the user change nothing:
+
+- a float64 default dtype (``torch.set_default_dtype(torch.float64)``, common in scientific
+  code): the scalers' scales and overflow flags stay float32, as torch's, and every route runs
+  exactly as under the float32 default;
+- a default device (``torch.set_default_device("cuda")`` or ``with torch.device("cuda"):``,
+  common in LLM code): the host-side work (launch plans, bucket layouts, memory checks, policy
+  uploads) stays on the host. Tested with the "meta" device, on which any tensor made there by
+  mistake cannot compute."""
+
+import contextlib
+import math
 
 import pytest
 import torch
 from _util import assert_all_same
 
-from triton_scaler import GradScaler
+from triton_scaler import GradBuckets, GradScaler, ops
 from triton_scaler.compat import deepspeed, megatron, mindspore
 
 OVERFLOWS = (False, True, False, False, True, True, False, False, False, False)
@@ -96,3 +105,70 @@ def test_a_scaler_that_never_skips_steps_as_under_float32(backend, fused, defaul
     expected_scales, expected_params = _float32_default(_train_never_skipping, backend, fused)
     assert scales == expected_scales == [2.0**4, 2.0**5, 2.0**4, 2.0**4, 2.0**5, 2.0**5]
     assert_all_same(params, expected_params)
+
+
+@contextlib.contextmanager
+def _default_device(device):
+    torch.set_default_device(device)
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
+
+
+def _train(backend, buckets, fused, clip):
+    """Five iterations over CPU params (an odd-sized one, the bucket's padding), an inf grad
+    in the third: (scales, skipped steps, params)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, device="cpu")) for n in (7, 1, 33)]
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=fused)
+    if buckets:
+        GradBuckets(opt)
+    scaler = GradScaler("cpu", init_scale=2.0**4, growth_interval=2, backend=backend)
+    assert scaler.last_step_skipped.device == torch.device("cpu")  # before the first step
+    scales = []
+    for step in range(5):
+        scaler.scale(sum((p * p).sum() for p in params)).backward()
+        if step == 2:
+            params[-1].grad[-1] = math.inf
+        if clip:
+            scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.set_growth_factor(2.0 + step % 2)  # the policy's upload
+        scaler.update()
+        opt.zero_grad(set_to_none=not buckets)
+        scales.append(scaler.get_scale())
+    return scales, scaler.skipped_steps, [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["unscale", "clip"])
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("buckets", [False, True], ids=["grads", "buckets"])
+def test_a_default_device_leaves_the_host_work_on_the_host(backend, buckets, fused, clip):
+    expected = _train(backend, buckets, fused, clip)
+    with _default_device("meta"):
+        actual = _train(backend, buckets, fused, clip)
+    assert actual[:2] == expected[:2] and expected[1] == 1
+    assert_all_same(actual[2], expected[2])
+
+
+def test_the_ops_under_a_default_device_are_torchs(backend):
+    """Interleaved views of one buffer (the memory check's element offsets), an odd-sized
+    and an empty grad, a non-finite element: as torch's op."""
+    def grads_of(buffer):
+        return [buffer[0:40:2], buffer[1:41:2], buffer[41:].view(3, 3)[:, :2], buffer[:0]]
+
+    theirs = torch.arange(50, dtype=torch.float32, device="cpu")
+    theirs[48] = math.nan  # the last element of the last non-empty grad
+    ours = theirs.clone()
+    found_theirs = torch.zeros((), device="cpu")
+    torch._amp_foreach_non_finite_check_and_unscale_(grads_of(theirs), found_theirs,
+                                                     torch.full((), 0.25, device="cpu"))
+    found = torch.zeros((), device="cpu")
+    with _default_device("meta"):
+        ops.non_finite_check_and_unscale_(grads_of(ours), found,
+                                          torch.full((), 0.25, device="cpu"), backend=backend)
+        finite = ops.all_finite(grads_of(ours)[:2], backend=backend)
+    assert_all_same([ours, found], [theirs, found_theirs])
+    assert found.item() == 1.0
+    assert finite.device == torch.device("cpu") and finite.item()
