@@ -118,13 +118,14 @@ def _default_device(device):
 
 def _train(backend, buckets, fused, clip):
     """Five iterations over CPU params (an odd-sized one, the bucket's padding), an inf grad
-    in the third: (scales, skipped steps, params)."""
+    in the third, with hysteresis: (scales, the state_dict, params)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, device="cpu")) for n in (7, 1, 33)]
     opt = torch.optim.AdamW(params, lr=1e-2, fused=fused)
     if buckets:
         GradBuckets(opt)
-    scaler = GradScaler("cpu", init_scale=2.0**4, growth_interval=2, backend=backend)
+    scaler = GradScaler("cpu", init_scale=2.0**4, growth_interval=2, hysteresis=2,
+                        backend=backend)
     assert scaler.last_step_skipped.device == torch.device("cpu")  # before the first step
     scales = []
     for step in range(5):
@@ -138,7 +139,7 @@ def _train(backend, buckets, fused, clip):
         scaler.update()
         opt.zero_grad(set_to_none=not buckets)
         scales.append(scaler.get_scale())
-    return scales, scaler.skipped_steps, [p.detach().clone() for p in params]
+    return scales, scaler.state_dict(), [p.detach().clone() for p in params]
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["unscale", "clip"])
@@ -148,7 +149,9 @@ def test_a_default_device_leaves_the_host_work_on_the_host(backend, buckets, fus
     expected = _train(backend, buckets, fused, clip)
     with _default_device("meta"):
         actual = _train(backend, buckets, fused, clip)
-    assert actual[:2] == expected[:2] and expected[1] == 1
+    assert actual[:2] == expected[:2]
+    assert expected[0][2] == expected[0][1]  # the overflow was skipped, held off by hysteresis
+    assert (expected[1]["skipped_steps"], expected[1]["_hysteresis_tracker"]) == (1, 2)
     assert_all_same(actual[2], expected[2])
 
 

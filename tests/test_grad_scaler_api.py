@@ -293,6 +293,17 @@ def test_a_checkpoint_loaded_mid_run_sets_the_hysteresis_tracker_in_place(backen
     assert scaler.get_scale() == 8.0
 
 
+def test_without_hysteresis_the_saved_tracker_stays_1(backend):
+    """hysteresis=1 (torch's rule): overflows back off at once and no tracker is counted
+    down; the state_dict's ``_hysteresis_tracker`` stays 1."""
+    scaler = GradScaler("cpu", init_scale=64.0, backend=backend)
+    p, opt = _setup(scaler)
+    for overflow in (True, True, False, True):
+        _overflow_step(scaler, p, opt, overflow)
+    state = scaler.state_dict()
+    assert (state["scale"], state["_hysteresis_tracker"], state["skipped_steps"]) == (8.0, 1, 3)
+
+
 def test_state_dict_keys_are_torchs_plus_the_extensions():
     from triton_scaler._state import EXTENSION_KEYS
 

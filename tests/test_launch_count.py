@@ -189,6 +189,28 @@ def test_many_optimizers_fold_into_the_one_update(backend, n_opts):
     assert scaler.skipped_steps == 3
 
 
+def test_seven_optimizers_step_on_views_of_the_flag_buffer_every_iteration(backend):
+    """The scaler's 8 found_inf slots serve 7 optimizers of their own (the last collects the
+    rest), taken again each iteration: in the third iteration too, ``step`` of each of 7
+    optimizers reads (scale, its flag) from the buffer with no device op (no stack)."""
+    params = [torch.nn.Parameter(torch.full((3,), float(i + 1))) for i in range(7)]
+    opts = [torch.optim.SGD([p], lr=0.1) for p in params]
+    for opt in opts:
+        opt.step = _uncounted(opt.step)
+    scaler = GradScaler("cpu", backend=backend)
+    for _ in range(3):
+        scaler.scale(sum((p * p).sum() for p in params)).backward()
+        for opt in opts:
+            scaler.unscale_(opt)
+        with _Ops() as mode:
+            for opt in opts:
+                scaler.step(opt)
+        scaler.update()
+        for opt in opts:
+            opt.zero_grad()
+        assert not mode.ops, mode.ops
+
+
 def _replaced_after_backward(step, i, p):
     if step % 2 == 1:
         p.grad = p.grad.clone()  # a new tensor at a new address
