@@ -126,7 +126,8 @@ def _train(backend, buckets, fused, clip):
         GradBuckets(opt)
     scaler = GradScaler("cpu", init_scale=2.0**4, growth_interval=2, hysteresis=2,
                         backend=backend)
-    assert scaler.last_step_skipped.device == torch.device("cpu")  # before the first step
+    skipped = scaler.last_step_skipped  # before the first step
+    assert (skipped.device, skipped.dtype) == (torch.device("cpu"), torch.bool)
     scales = []
     for step in range(5):
         scaler.scale(sum((p * p).sum() for p in params)).backward()

@@ -7,6 +7,7 @@ import pickle
 import pytest
 import torch
 from _loops import train
+from _util import assert_all_same
 
 import triton_scaler
 from triton_scaler import GradScaler, MinScaleReachedError, ScalePolicy, ScalerArgumentError
@@ -110,6 +111,25 @@ def test_setters_validate_and_reach_the_device(backend):
                                                   "growth_interval")) == settings
     scaler._growth_interval = 5  # torch's attribute, assigned as torch's __init__ does
     assert scaler.policy.growth_interval == scaler.get_growth_interval() == 5
+
+
+def test_set_factors_float32_cannot_carry_update_as_torchs(backend):
+    """1.1 and 0.3, set mid-run, reach the update in float64 (the policy's float64 buffer,
+    filled in place), as torch's op takes them: the same scale bits as torch's scaler."""
+    scales = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1),
+                   GradScaler("cpu", init_scale=2.0**10, growth_interval=1, backend=backend)):
+        p, opt = _setup(scaler)
+        scaler.step(opt)
+        scaler.update()
+        scaler.set_growth_factor(1.1)
+        scaler.set_backoff_factor(0.3)
+        for overflow in (False, True, False, False, True):
+            _overflow_step(scaler, p, opt, overflow)
+            scales.append(scaler._scale.clone())
+    theirs, ours = scales[:5], scales[5:]
+    assert_all_same(ours, theirs)
+    assert len({s.item() for s in theirs}) == 5
 
 
 def test_disabled_is_a_pass_through(backend):
