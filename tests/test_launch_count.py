@@ -113,6 +113,27 @@ def test_one_launch_per_group_and_one_for_update(monkeypatch, buckets, fused):
             opt.zero_grad(set_to_none=False)
 
 
+@pytest.mark.parametrize("call", ["unscale_", "clip_grad_norm_"])
+def test_a_fused_step_after_unscale_checks_nothing_again(monkeypatch, call):
+    """The common fused recipe, ``unscale_`` (or the clip) then a fused optimizer's step:
+    the step launches nothing: torch's scaler checks only an optimizer not yet unscaled
+    (a second check would read every grad again)."""
+    if os_interpreter_missing():
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    params, opt = _setup(6, False, fused=True, dtypes=(torch.float32, torch.bfloat16))
+    scaler = GradScaler("cpu", backend="triton", init_scale=4.0)
+    with _launches(monkeypatch) as counts:
+        for _ in range(2):
+            opt.zero_grad()
+            scaler.scale(sum((p.float() ** 2).sum() for p in params)).backward()
+            getattr(scaler, call)(opt, *([1e9] if call == "clip_grad_norm_" else []))
+            counts.clear()
+            scaler.step(opt)
+            assert not counts, counts
+            scaler.update()
+    assert scaler._scale.item() == 4.0 and not scaler.last_step_skipped.item()
+
+
 @pytest.mark.parametrize("buckets", [False, True])
 @pytest.mark.parametrize("route", ["unscale_", "fused", "clip_grad_norm_"])
 def test_a_steady_state_step_runs_no_import_statement(monkeypatch, buckets, route):
