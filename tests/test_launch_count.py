@@ -2,7 +2,6 @@
 fused route's check) and exactly one for update(), no other device op; the O(1) bucket path
 stays exact when grads are replaced (the no-bucket plans: test_plan_reuse.py)."""
 
-import contextlib
 import gc
 import sys
 import weakref
@@ -10,70 +9,17 @@ from collections import Counter
 
 import pytest
 import torch
+from _launch_counting import (
+    _IN_KERNEL,
+    _launches,
+    _Ops,
+    _setup,
+    _uncounted,
+    os_interpreter_missing,
+)
 from _util import assert_all_same, step_by_route
-from torch.utils._python_dispatch import TorchDispatchMode
-from triton_scaler.kernels import unscale, update
 
 from triton_scaler import GradBuckets, GradScaler
-
-_IN_KERNEL = [0]  # the interpreter's own tensor work inside a launch is not counted
-
-
-class _Ops(TorchDispatchMode):
-    """Counts device ops (not views, not host reads) issued outside the kernels, and
-    separately the views (host work only, but each is a dispatcher call)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops, self.views = Counter(), Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not _IN_KERNEL[0]:
-            if func.is_view:
-                self.views[func.__name__] += 1
-            elif func.__name__ not in ("_local_scalar_dense.default", "empty.memory_format"):
-                self.ops[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
-class _Counted:
-    def __init__(self, kernel, name, counts):
-        self.kernel, self.name, self.counts = kernel, name, counts
-
-    def __getitem__(self, grid):
-        self.counts[self.name] += 1  # triton's own getitem too (3.5's interpreter imports)
-        return _uncounted(_uncounted(self.kernel.__getitem__)(grid))  # none is reused
-
-
-def _uncounted(fn):
-    """``fn`` whose own ops (and imports) are not counted: a kernel's, an optimizer's."""
-    def call(*args, **kwargs):
-        _IN_KERNEL[0] += 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _IN_KERNEL[0] -= 1
-    return call
-
-
-@contextlib.contextmanager
-def _launches(monkeypatch):
-    counts = Counter()
-    monkeypatch.setattr(unscale, "unscale_kernel",
-                        _Counted(unscale.unscale_kernel, "unscale", counts))
-    monkeypatch.setattr(update, "update_scale_kernel",
-                        _Counted(update.update_scale_kernel, "update", counts))
-    yield counts
-
-
-def _setup(n_params, buckets, fused=False, dtypes=(torch.float32,)):
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(7 + 5 * i, dtype=dtypes[i % len(dtypes)]))
-              for i in range(n_params)]
-    opt = torch.optim.AdamW(params, lr=1e-3, fused=fused)
-    if buckets:
-        GradBuckets(opt)
-    return params, opt
 
 
 @pytest.mark.parametrize("buckets", [False, True])
@@ -113,27 +59,6 @@ def test_one_launch_per_group_and_one_for_update(monkeypatch, buckets, fused):
             opt.zero_grad(set_to_none=False)
 
 
-@pytest.mark.parametrize("call", ["unscale_", "clip_grad_norm_"])
-def test_a_fused_step_after_unscale_checks_nothing_again(monkeypatch, call):
-    """The common fused recipe, ``unscale_`` (or the clip) then a fused optimizer's step:
-    the step launches nothing: torch's scaler checks only an optimizer not yet unscaled
-    (a second check would read every grad again)."""
-    if os_interpreter_missing():
-        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    params, opt = _setup(6, False, fused=True, dtypes=(torch.float32, torch.bfloat16))
-    scaler = GradScaler("cpu", backend="triton", init_scale=4.0)
-    with _launches(monkeypatch) as counts:
-        for _ in range(2):
-            opt.zero_grad()
-            scaler.scale(sum((p.float() ** 2).sum() for p in params)).backward()
-            getattr(scaler, call)(opt, *([1e9] if call == "clip_grad_norm_" else []))
-            counts.clear()
-            scaler.step(opt)
-            assert not counts, counts
-            scaler.update()
-    assert scaler._scale.item() == 4.0 and not scaler.last_step_skipped.item()
-
-
 @pytest.mark.parametrize("buckets", [False, True])
 @pytest.mark.parametrize("route", ["unscale_", "fused", "clip_grad_norm_"])
 def test_a_steady_state_step_runs_no_import_statement(monkeypatch, buckets, route):
@@ -170,12 +95,6 @@ def test_a_steady_state_step_runs_no_import_statement(monkeypatch, buckets, rout
     assert counts["update"] == 3 and counts["unscale"] >= 6, counts  # the kernels did run
 
 
-def os_interpreter_missing():
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") != "1"
-
-
 def _train(scaler, n_opts, steps, overflow, replace=None, fresh=False):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(33)) for _ in range(n_opts)]
@@ -208,28 +127,6 @@ def test_many_optimizers_fold_into_the_one_update(backend, n_opts):
     assert actual[0] == expected[0]
     assert_all_same(actual[1], expected[1])
     assert scaler.skipped_steps == 3
-
-
-def test_seven_optimizers_step_on_views_of_the_flag_buffer_every_iteration(backend):
-    """The scaler's 8 found_inf slots serve 7 optimizers of their own (the last collects the
-    rest), taken again each iteration: in the third iteration too, ``step`` of each of 7
-    optimizers reads (scale, its flag) from the buffer with no device op (no stack)."""
-    params = [torch.nn.Parameter(torch.full((3,), float(i + 1))) for i in range(7)]
-    opts = [torch.optim.SGD([p], lr=0.1) for p in params]
-    for opt in opts:
-        opt.step = _uncounted(opt.step)
-    scaler = GradScaler("cpu", backend=backend)
-    for _ in range(3):
-        scaler.scale(sum((p * p).sum() for p in params)).backward()
-        for opt in opts:
-            scaler.unscale_(opt)
-        with _Ops() as mode:
-            for opt in opts:
-                scaler.step(opt)
-        scaler.update()
-        for opt in opts:
-            opt.zero_grad()
-        assert not mode.ops, mode.ops
 
 
 def _replaced_after_backward(step, i, p):
