@@ -21,12 +21,20 @@ from triton_scaler.compat import deepspeed, megatron, mindspore
 OVERFLOWS = (False, True, False, False, True, True, False, False, False, False)
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 @pytest.fixture(params=[torch.float32, torch.float64], ids=["float32_default", "float64_default"])
 def default_dtype(request):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(request.param)
-    yield request.param
-    torch.set_default_dtype(previous)
+    with _default_dtype(request.param):
+        yield request.param
 
 
 #: name: (make(backend), update(scaler, overflow: bool), the scale tensor)
@@ -67,12 +75,8 @@ def test_compat_scalers_update_from_bools_as_under_float32(backend, name, defaul
 
 
 def _float32_default(run, *args):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
+    with _default_dtype(torch.float32):
         return run(*args)
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _train_never_skipping(backend, fused):
