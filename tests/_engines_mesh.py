@@ -2,7 +2,7 @@
 FSDP2 as HSDP (replicate x shard) and tensor parallel x FSDP2: training against torch's scaler,
 the fused clip against torch's clip of DTensors, every extension setting; DTensor grads with
 different placements on the 2-D mesh: the clip's norm and the overflow agreement (see
-``first_grad_replicated`` and ``ops_sharded_on_one_dimension``)."""
+``first_grad_replicated``, ``ops_sharded_on_one_dimension`` and ``ops_over_mixed_placements``)."""
 
 import math
 import os
@@ -80,6 +80,39 @@ def ops_sharded_on_one_dimension(backend, rank, dim):
     return found
 
 
+def ops_over_mixed_placements(backend, rank):
+    """Three DTensor grads on the (dp, tp) mesh: replicated over both dimensions, sharded over
+    dp alone, sharded over tp alone; an inf in rank 3's shard of the last. Ours agree over
+    every dimension any grad is sharded on (dp and tp: every rank finds it), unscale and
+    check alike, as the scaler does; torch's op agrees over its first grad's sharded
+    dimensions (none here: rank 3 alone). Returns (found_inf of torch's op, of ours, of our
+    check; whether ours unscaled every local shard to torch's bits)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from triton_scaler import ops
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    placements = ([Replicate(), Replicate()], [Shard(0), Replicate()], [Replicate(), Shard(1)])
+    gen = torch.Generator().manual_seed(5)
+    fulls = [torch.randn(4, 6, generator=gen) * 1024 for _ in placements]
+
+    def grads():
+        made = [distribute_tensor(f.clone(), mesh, p) for f, p in zip(fulls, placements)]
+        if rank == 3:
+            made[-1]._local_tensor.view(-1)[0] = math.inf
+        return made
+
+    inv_scale = torch.full((), 1 / 1024)
+    found = [torch.zeros(()) for _ in range(3)]
+    theirs, ours = grads(), grads()
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, found[0], inv_scale)
+    ops.non_finite_check_and_unscale_(ours, found[1], inv_scale, backend=backend)
+    ops.non_finite_check_(grads(), found[2], inv_scale, backend=backend)
+    same = all(torch.equal(a._local_tensor, b._local_tensor) for a, b in zip(theirs, ours))
+    return found, same
+
+
 def run_mesh(rank, world_size, store_file, backend, out_dir):
     init_group(rank, world_size, store_file)
     try:
@@ -102,6 +135,7 @@ def run_mesh(rank, world_size, store_file, backend, out_dir):
         for dim in ("dp", "tp"):
             attempt(results, ("sharded_on_one", dim), ops_sharded_on_one_dimension, backend,
                     rank, dim)
+        attempt(results, "ops_mixed", ops_over_mixed_placements, backend, rank)
         for kind in ("torch", "ours"):
             attempt(results, ("first_grad_replicated", kind), first_grad_replicated, kind,
                     backend, rank)

@@ -263,6 +263,19 @@ def test_the_ops_agree_over_only_the_mesh_dimension_a_grad_is_sharded_on(backend
         assert_all_same(found[1:], found[:1] * 2)
 
 
+def test_the_ops_agree_over_every_dimension_any_grad_is_sharded_on(backend, tmp_path_factory):
+    """Grads replicated, sharded over dp, sharded over tp; an inf in rank 3's tp shard: every
+    rank's found_inf is 1, unscale and check, as the scaler's (torch's op agrees over its
+    first grad's dimensions only, none here; ``_engines_mesh.ops_over_mixed_placements``),
+    and the local shards are unscaled to torch's bits."""
+    for rank, results in enumerate(mesh_results(backend, tmp_path_factory)):
+        result = results["ops_mixed"]
+        assert not isinstance(result, dict), f"rank {rank}: {result}"
+        found, same = result
+        assert found[1].item() == found[2].item() == 1.0, rank
+        assert same, rank
+
+
 @pytest.mark.parametrize("mesh", ["1-D", "2-D"])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_fused_clip_counts_a_replicated_dtensor_grad_once(backend, norm_type, mesh,

@@ -91,6 +91,12 @@ def mesh_layout(grad: torch.Tensor, meshes: dict | None = None
     return grad._local_tensor, layout
 
 
+def add_groups(known: list, groups: tuple[Any, ...]) -> None:
+    """Append to ``known`` the process groups of ``groups`` it does not hold yet (by
+    identity): found_inf is agreed over every mesh dimension any grad is sharded on."""
+    known.extend(g for g in groups if not any(g is k for k in known))
+
+
 def agree_over_meshes(found_inf_by_device: dict[torch.device, torch.Tensor],
                       groups_by_device: dict[torch.device, tuple[Any, ...]]) -> None:
     """MAX all-reduce of each device's found_inf over the mesh groups of its DTensor grads."""

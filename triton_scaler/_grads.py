@@ -27,7 +27,7 @@ import torch
 from torch.amp.grad_scaler import _MultiDeviceReplicator
 
 from ._backend import resolve_backend, triton_kernels
-from ._distributed import local_grad
+from ._distributed import add_groups, local_grad
 from ._lru import forget, newest_equal, store_newest
 from ._op_args import FLOAT_DTYPES, check_grad_dtype
 from ._stored_plans import StoredPlans, tensor_guards
@@ -301,7 +301,6 @@ def _groups_slow(params, allow_fp16: bool, backend: str):
         if dtype not in FLOAT_DTYPES:
             check_grad_dtype(f"a gradient on {device}", dtype)
         if on_mesh:
-            known = mesh_groups.setdefault(device, [])
-            known.extend(g for g in on_mesh if not any(g is k for k in known))
+            add_groups(mesh_groups.setdefault(device, []), on_mesh)
     return ([GradGroup(device, grads, mesh_groups=on_mesh)
              for (device, _, on_mesh), grads in groups.items()], mesh_groups)

@@ -21,7 +21,7 @@ import torch
 
 from . import reference
 from ._backend import Backend, resolve_backend, triton_kernels
-from ._distributed import agree_over_meshes, local_grad
+from ._distributed import add_groups, agree_over_meshes, local_grad
 from ._eager import eager_under_compile
 from ._op_args import (
     PLAIN,
@@ -116,7 +116,7 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
     if inv_scale.device != found_inf.device:
         raise ValueError(f"inv_scale is on {inv_scale.device} but found_inf is on {found_inf.device}")
     resolved = resolve_backend(backend, found_inf.device)
-    mesh_groups = None
+    mesh_groups: list = []  # every process group any DTensor grad is sharded over
     plain = PLAIN.issuperset(map(type, grads))
     if not plain:  # rare: a DTensor (its local shard) or such
         meshes: dict = {}
@@ -125,7 +125,8 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
                 if g.is_nested:  # jagged (a subclass); strided ones are checked with the rest
                     raise nested_grad_error(i)
                 grads[i], groups = local_grad(g, resolved, meshes)
-                mesh_groups = mesh_groups or groups
+                if groups:
+                    add_groups(mesh_groups, groups)
         plain = PLAIN.issuperset(map(type, grads))
     if resolved == "reference" and write:
         try:  # torch's op checks the grads itself: no per-tensor Python work when they are fine
@@ -140,7 +141,8 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
     else:
         for group in group_grads(grads, found_inf.device, plain):
             unscale_group_(group, found_inf, inv_scale, "reference", write)
-    if mesh_groups:  # as torch's op under DTensor dispatch: agree over the mesh
+    if mesh_groups:  # as torch's op under DTensor dispatch, over the union of the grads'
+        # sharded dimensions (torch's: its first grad's; README, "Exactness")
         agree_over_meshes({found_inf.device: found_inf}, {found_inf.device: mesh_groups})
 
 
