@@ -37,7 +37,8 @@ def test_reused_plans_with_empty_grads_first(backend, sizes):
     assert_matches_torch(run, backend, init_scale=4.0, growth_interval=1)
 
 
-@pytest.mark.parametrize("n_layouts", [2, 5])  # 5: more than the plans kept per optimizer
+# 4: as many as the plans kept per optimizer; 5: more
+@pytest.mark.parametrize("n_layouts", [2, 4, 5])
 def test_grads_cycling_through_memory_layouts(backend, n_layouts, monkeypatch):
     """Grads whose memory cycles through a few address layouts (an allocator handing back
     the blocks of an earlier step) reuse those layouts' launch plans, and more layouts than
@@ -76,6 +77,37 @@ def test_grads_cycling_through_memory_layouts(backend, n_layouts, monkeypatch):
     assert_matches_torch(run, backend, init_scale=2.0**8, growth_interval=2)
     if backend == "triton":  # each layout planned once while they fit, every step otherwise
         assert built["plans"] == (n_layouts if n_layouts <= 4 else 3 * n_layouts + 2)
+
+
+def test_plans_reused_for_groups_of_several_dtypes(backend, monkeypatch):
+    """Parameters of three dtypes interleaved (float32 at 0 and 2, bfloat16 at 1, float64 at
+    3): each (device, dtype) group picks its grads out of the optimizer's list, and each
+    group's plan is made at the first step and reused at the others (a group picking the
+    wrong grads would be replanned every step through the per-grad path). An inf in the
+    bfloat16 grad, a NaN in the last float32 element: torch's steps are skipped."""
+    def run(scaler):
+        torch.manual_seed(0)
+        dtypes = (torch.float32, torch.bfloat16, torch.float32, torch.float64)
+        params = [torch.nn.Parameter(torch.randn(n, dtype=d))
+                  for n, d in zip((5, 7, 300, 3), dtypes)]
+        opt = torch.optim.SGD(params, lr=0.1)
+        for step in range(6):
+            opt.zero_grad(set_to_none=False)
+            scaler.scale(sum((p.float() * (i + 1)).square().sum()
+                             for i, p in enumerate(params))).backward()
+            if step == 2:
+                params[1].grad[0] = float("inf")
+            if step == 4:
+                params[2].grad[-1] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+        return scaler.get_scale(), [p.detach().clone() for p in params]
+
+    built = Counter()
+    monkeypatch.setattr(kernels, "plan_unscale", lambda *args, build=kernels.plan_unscale:
+                        (built.update(["plans"]), build(*args))[1])
+    assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
+    assert built["plans"] == (3 if backend == "triton" else 0)
 
 
 @pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
