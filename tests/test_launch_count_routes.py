@@ -71,3 +71,36 @@ def test_seven_optimizers_step_on_views_of_the_flag_buffer_every_iteration(backe
         for opt in opts:
             opt.zero_grad()
         assert not mode.ops, mode.ops
+
+
+def test_gradient_buckets_plan_their_launch_once(monkeypatch):
+    """Two buckets (float32, bfloat16) over six steps, overflows among them: each bucket's
+    launch is planned at the first step and reused (no per-grad grouping either), and each
+    step launches once per bucket: their buffers are unscaled as one flat tensor each, not
+    through their parameters' views."""
+    if os_interpreter_missing():
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    from triton_scaler import _grads, kernels
+
+    params, opt = _setup(6, True, dtypes=(torch.float32, torch.bfloat16))
+    scaler = GradScaler("cpu", backend="triton", init_scale=4.0)
+    counts = {"plans": 0, "per_grad": 0}
+
+    def count(key, real):
+        def counted(*args):
+            counts[key] += 1
+            return real(*args)
+        return counted
+
+    monkeypatch.setattr(kernels, "plan_unscale", count("plans", kernels.plan_unscale))
+    monkeypatch.setattr(_grads, "_groups_slow", count("per_grad", _grads._groups_slow))
+    with _launches(monkeypatch) as launches:
+        for step in range(6):
+            opt.zero_grad(set_to_none=False)
+            loss = sum((p.float() ** 2).sum() for p in params)
+            scaler.scale(loss * (math.inf if step in (1, 4) else 1.0)).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert counts == {"plans": 2, "per_grad": 0}
+    assert launches["unscale"] == 2 * 6, launches
+    assert scaler.skipped_steps == 2
