@@ -1,6 +1,7 @@
 """Launch and op counting for the scaler tests: device ops outside the kernels
-(:class:`_Ops`), kernel launches (:func:`_launches`), and calls left out of the count
-(:func:`_uncounted`: the interpreter's work inside a launch, an optimizer's own step)."""
+(:class:`_Ops`), kernel launches (:func:`_launches`), launch plans made (:func:`count_calls`),
+and calls left out of the count (:func:`_uncounted`: the interpreter's work inside a launch,
+an optimizer's own step)."""
 
 import contextlib
 import os
@@ -60,6 +61,20 @@ def _launches(monkeypatch):
     monkeypatch.setattr(update, "update_scale_kernel",
                         _Counted(update.update_scale_kernel, "update", counts))
     yield counts
+
+
+def count_calls(monkeypatch, owner, name, counts=None, key=None) -> Counter:
+    """Counts the calls of ``owner.name`` (``kernels.plan_unscale``: the launch plans made;
+    torch's scaler makes none) in ``counts[key]`` (key: ``name``); returns ``counts``."""
+    counts = Counter() if counts is None else counts
+    real = getattr(owner, name)
+
+    def counted(*args):
+        counts[key or name] += 1
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, counted)
+    return counts
 
 
 def _setup(n_params, buckets, fused=False, dtypes=(torch.float32,)):

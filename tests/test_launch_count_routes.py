@@ -1,12 +1,20 @@
 """Issue 15, by route: the reference backend launches no kernel; a fused step after
 ``unscale_`` checks nothing again; seven optimizers read their flags from views of the
-scaler's flag buffer in every iteration (no device op in ``step``)."""
+scaler's flag buffer in every iteration (no device op in ``step``); gradient buckets plan
+their launch once."""
 
 import math
 
 import pytest
 import torch
-from _launch_counting import _launches, _Ops, _setup, _uncounted, os_interpreter_missing
+from _launch_counting import (
+    _launches,
+    _Ops,
+    _setup,
+    _uncounted,
+    count_calls,
+    os_interpreter_missing,
+)
 
 from triton_scaler import GradScaler, ops
 
@@ -84,16 +92,8 @@ def test_gradient_buckets_plan_their_launch_once(monkeypatch):
 
     params, opt = _setup(6, True, dtypes=(torch.float32, torch.bfloat16))
     scaler = GradScaler("cpu", backend="triton", init_scale=4.0)
-    counts = {"plans": 0, "per_grad": 0}
-
-    def count(key, real):
-        def counted(*args):
-            counts[key] += 1
-            return real(*args)
-        return counted
-
-    monkeypatch.setattr(kernels, "plan_unscale", count("plans", kernels.plan_unscale))
-    monkeypatch.setattr(_grads, "_groups_slow", count("per_grad", _grads._groups_slow))
+    counts = count_calls(monkeypatch, kernels, "plan_unscale", key="plans")
+    count_calls(monkeypatch, _grads, "_groups_slow", counts, "per_grad")
     with _launches(monkeypatch) as launches:
         for step in range(6):
             opt.zero_grad(set_to_none=False)
@@ -101,6 +101,6 @@ def test_gradient_buckets_plan_their_launch_once(monkeypatch):
             scaler.scale(loss * (math.inf if step in (1, 4) else 1.0)).backward()
             scaler.step(opt)
             scaler.update()
-    assert counts == {"plans": 2, "per_grad": 0}
+    assert counts["plans"] == 2 and counts["per_grad"] == 0, counts
     assert launches["unscale"] == 2 * 6, launches
     assert scaler.skipped_steps == 2

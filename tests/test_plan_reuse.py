@@ -9,6 +9,7 @@ from collections import Counter
 import _plan_reuse
 import pytest
 import torch
+from _launch_counting import count_calls
 from _plan_reuse import assert_matches_torch, train_in_fixed_memory
 from _util import view_in
 
@@ -67,13 +68,7 @@ def test_grads_cycling_through_memory_layouts(backend, n_layouts, monkeypatch):
             scales.append(scaler.get_scale())
         return scales, [p.detach().clone() for p in params]
 
-    built = Counter()
-
-    def counted(*args, build=kernels.plan_unscale):
-        built["plans"] += 1
-        return build(*args)
-
-    monkeypatch.setattr(kernels, "plan_unscale", counted)  # torch's scaler plans nothing
+    built = count_calls(monkeypatch, kernels, "plan_unscale", key="plans")
     assert_matches_torch(run, backend, init_scale=2.0**8, growth_interval=2)
     if backend == "triton":  # each layout planned once while they fit, every step otherwise
         assert built["plans"] == (n_layouts if n_layouts <= 4 else 3 * n_layouts + 2)
@@ -103,9 +98,7 @@ def test_plans_reused_for_groups_of_several_dtypes(backend, monkeypatch):
             scaler.update()
         return scaler.get_scale(), [p.detach().clone() for p in params]
 
-    built = Counter()
-    monkeypatch.setattr(kernels, "plan_unscale", lambda *args, build=kernels.plan_unscale:
-                        (built.update(["plans"]), build(*args))[1])
+    built = count_calls(monkeypatch, kernels, "plan_unscale", key="plans")
     assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
     assert built["plans"] == (3 if backend == "triton" else 0)
 
@@ -150,8 +143,7 @@ def test_plans_reused_through_one_tensor_guards_check(backend, tensor_guards, mo
             return self.guards.check(*grads)
 
     monkeypatch.setattr(_stored_plans, "TensorGuards", CountingGuards)
-    monkeypatch.setattr(kernels, "plan_unscale", lambda *args, build=kernels.plan_unscale:
-                        (counts.update(["planned"]), build(*args))[1])
+    count_calls(monkeypatch, kernels, "plan_unscale", counts, "planned")
 
     def run(scaler):
         torch.manual_seed(0)
@@ -181,9 +173,7 @@ def test_channels_last_and_transposed_grads(backend, tensor_guards, then, monkey
     inf / -inf / NaN at the first and last element of the first and last grad, equal to
     torch, the memory between the gapped grads' elements included."""
     shapes = [(8, 3, 3, 3), (5, 7, 3, 3), (7,), (4, 9)]
-    planned = Counter()
-    monkeypatch.setattr(kernels, "plan_unscale", lambda *args, build=kernels.plan_unscale:
-                        (planned.update(["plans"]), build(*args))[1])
+    planned = count_calls(monkeypatch, kernels, "plan_unscale", key="plans")
 
     def run(scaler):
         torch.manual_seed(0)
