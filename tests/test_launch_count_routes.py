@@ -1,7 +1,7 @@
 """Issue 15, by route: the reference backend launches no kernel; a fused step after
 ``unscale_`` checks nothing again; seven optimizers read their flags from views of the
 scaler's flag buffer in every iteration (no device op in ``step``); gradient buckets plan
-their launch once."""
+their launch once, and the parameters outside them are laid out once per parameter layout."""
 
 import math
 
@@ -15,8 +15,9 @@ from _launch_counting import (
     count_calls,
     os_interpreter_missing,
 )
+from _util import assert_all_same
 
-from triton_scaler import GradScaler, ops
+from triton_scaler import GradBuckets, GradScaler, _grads, kernels, ops
 
 
 @pytest.mark.parametrize("buckets", [False, True])
@@ -88,8 +89,6 @@ def test_gradient_buckets_plan_their_launch_once(monkeypatch):
     through their parameters' views."""
     if os_interpreter_missing():
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    from triton_scaler import _grads, kernels
-
     params, opt = _setup(6, True, dtypes=(torch.float32, torch.bfloat16))
     scaler = GradScaler("cpu", backend="triton", init_scale=4.0)
     counts = count_calls(monkeypatch, kernels, "plan_unscale", key="plans")
@@ -104,3 +103,43 @@ def test_gradient_buckets_plan_their_launch_once(monkeypatch):
     assert counts["plans"] == 2 and counts["per_grad"] == 0, counts
     assert launches["unscale"] == 2 * 6, launches
     assert scaler.skipped_steps == 2
+
+
+def _train_partly_bucketed(scaler, ours, steps=6, replace_at=3):
+    """SGD over four parameters: the buckets hold the first two; the third was frozen when
+    they were built, the fourth joins in a new group. The third is replaced in place in its
+    group's list at ``replace_at``; overflows at steps 1 and 4."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9, 3, 4)]
+    params[2].requires_grad_(False)
+    opt = torch.optim.SGD(params[:3], lr=0.1, momentum=0.9)
+    if ours:
+        GradBuckets(opt)
+    params[2].requires_grad_(True)
+    opt.add_param_group({"params": [params[3]]})
+    for step in range(steps):
+        if step == replace_at:
+            params[2] = opt.param_groups[0]["params"][2] = torch.nn.Parameter(torch.randn(3))
+        opt.zero_grad(set_to_none=False)
+        loss = sum((p * (i + 1.0)).square().sum() for i, p in enumerate(params))
+        scaler.scale(loss * (math.inf if step in (1, 4) else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+    return [torch.tensor(scaler.get_scale())] + [p.detach().clone() for p in params]
+
+
+def test_parameters_outside_the_buckets_are_laid_out_once_per_parameter_layout(
+        monkeypatch, backend):
+    """With parameters both in gradient buckets and outside them, the scaler's view of the
+    optimizer (which grads are outside, grouped how) is built at the first step and again
+    only when a parameter outside the buckets is replaced in place in its list (checked by
+    identity each step), never per step; the Triton launches are planned then only (each
+    bucket's and the outside grads'), and no step groups grads one by one."""
+    counts = count_calls(monkeypatch, _grads, "_Layout", key="layouts")
+    count_calls(monkeypatch, kernels, "plan_unscale", counts, "plans")
+    count_calls(monkeypatch, _grads, "_groups_slow", counts, "per_grad")
+    actual = _train_partly_bucketed(GradScaler("cpu", backend=backend, init_scale=4.0), True)
+    expected = _train_partly_bucketed(torch.amp.GradScaler("cpu", init_scale=4.0), False)
+    assert_all_same(actual, expected)
+    plans = 2 * 2 if backend == "triton" else 0  # (bucket, outside grads) per layout
+    assert (counts["layouts"], counts["plans"], counts["per_grad"]) == (2, plans, 0), counts
