@@ -1,5 +1,6 @@
 """The same loop under torch's scaler without buckets and under ours with GradBuckets,
-compared call by call (tests/test_buckets_lifecycle.py, tests/test_buckets_held_views.py)."""
+compared call by call (tests/test_buckets_lifecycle.py, test_buckets_outside.py,
+test_buckets_held_views.py)."""
 
 import torch
 from _loops import assert_same_optimizer_state
