@@ -82,14 +82,15 @@ def test_seven_optimizers_step_on_views_of_the_flag_buffer_every_iteration(backe
         assert not mode.ops, mode.ops
 
 
-def test_gradient_buckets_plan_their_launch_once(monkeypatch):
-    """Two buckets (float32, bfloat16) over six steps, overflows among them: each bucket's
-    launch is planned at the first step and reused (no per-grad grouping either), and each
-    step launches once per bucket: their buffers are unscaled as one flat tensor each, not
-    through their parameters' views."""
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.float32, torch.bfloat16)])
+def test_gradient_buckets_plan_their_launch_once(monkeypatch, dtypes):
+    """One bucket holding every parameter, or two (float32, bfloat16), over six steps,
+    overflows among them: each bucket's launch is planned at the first step and reused (no
+    per-grad grouping either), and each step launches once per bucket: their buffers are
+    unscaled as one flat tensor each, not through their parameters' views."""
     if os_interpreter_missing():
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    params, opt = _setup(6, True, dtypes=(torch.float32, torch.bfloat16))
+    params, opt = _setup(6, True, dtypes=dtypes)
     scaler = GradScaler("cpu", backend="triton", init_scale=4.0)
     counts = count_calls(monkeypatch, kernels, "plan_unscale", key="plans")
     count_calls(monkeypatch, _grads, "_groups_slow", counts, "per_grad")
@@ -100,8 +101,8 @@ def test_gradient_buckets_plan_their_launch_once(monkeypatch):
             scaler.scale(loss * (math.inf if step in (1, 4) else 1.0)).backward()
             scaler.step(opt)
             scaler.update()
-    assert counts["plans"] == 2 and counts["per_grad"] == 0, counts
-    assert launches["unscale"] == 2 * 6, launches
+    assert counts["plans"] == len(dtypes) and counts["per_grad"] == 0, counts
+    assert launches["unscale"] == len(dtypes) * 6, launches
     assert scaler.skipped_steps == 2
 
 
