@@ -15,6 +15,18 @@ from _bucket_loops import run_both as _run_both
 from triton_scaler import GradBuckets
 
 
+def _middle_one_outside(ours):
+    """Three parameters; the middle one, frozen when the buckets were built and then
+    unfrozen, lies outside them."""
+    params = [torch.nn.Parameter(torch.randn(5)),
+              torch.nn.Parameter(torch.randn(3), requires_grad=False),
+              torch.nn.Parameter(torch.randn(4))]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    zero_grad = GradBuckets(opt).zero_ if ours else opt.zero_grad
+    params[1].requires_grad_(True)
+    return params, opt, zero_grad
+
+
 def test_zero_sets_none_the_grads_of_parameters_outside_the_buckets(backend):
     """Frozen when the buckets were built and unfrozen later, or added in a new group: the
     buckets do not hold them, and zero_() must still clear them as torch's zero_grad()."""
@@ -45,15 +57,6 @@ def test_a_parameter_outside_the_buckets_replaced_in_place_is_seen(backend):
     buckets do not hold (frozen when they were built) while they hold the others: the
     scaler's cached layout must see the new parameter by identity, or it would read the old
     one's grad and miss the inf in the new one's."""
-    def build(ours):
-        params = [torch.nn.Parameter(torch.randn(5)),
-                  torch.nn.Parameter(torch.randn(3), requires_grad=False),
-                  torch.nn.Parameter(torch.randn(4))]
-        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-        zero_grad = GradBuckets(opt).zero_ if ours else opt.zero_grad
-        params[1].requires_grad_(True)  # outside the buckets, in the middle of the list
-        return params, opt, zero_grad
-
     def loop(params, opt, scaler, zero_grad):
         outcomes = []
         for step in range(4):
@@ -68,8 +71,8 @@ def test_a_parameter_outside_the_buckets_replaced_in_place_is_seen(backend):
             zero_grad()
         return outcomes + [params[1].grad]
 
-    assert _run_both(backend, build, loop) == ["ok", 8.0, "ok", 16.0, "ok", 8.0, "ok", 8.0,
-                                               None]
+    expected = ["ok", 8.0, "ok", 16.0, "ok", 8.0, "ok", 8.0, None]
+    assert _run_both(backend, _middle_one_outside, loop) == expected
 
 
 @pytest.mark.parametrize("how", ["new group", "appended to a group's list"])
@@ -108,15 +111,6 @@ def test_a_parameter_outside_the_buckets_without_a_gradient(backend):
     """A parameter outside the buckets (frozen when they were built) receives a gradient
     every other step only: at the steps without one, the grads outside are grouped one by
     one, and the buckets' grads must still be unscaled and checked (their inf at step 2)."""
-    def build(ours):
-        params = [torch.nn.Parameter(torch.randn(5)),
-                  torch.nn.Parameter(torch.randn(3), requires_grad=False),
-                  torch.nn.Parameter(torch.randn(4))]
-        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-        zero_grad = GradBuckets(opt).zero_ if ours else opt.zero_grad
-        params[1].requires_grad_(True)
-        return params, opt, zero_grad
-
     def loop(params, opt, scaler, zero_grad):
         outcomes = []
         for step in range(5):
@@ -129,5 +123,5 @@ def test_a_parameter_outside_the_buckets_without_a_gradient(backend):
             zero_grad()
         return outcomes + [params[1].grad]
 
-    assert _run_both(backend, build, loop) == ["ok", 8.0, "ok", 16.0, "ok", 8.0, "ok", 8.0,
-                                               "ok", 16.0, None]
+    expected = ["ok", 8.0, "ok", 16.0, "ok", 8.0, "ok", 8.0, "ok", 16.0, None]
+    assert _run_both(backend, _middle_one_outside, loop) == expected
