@@ -1,7 +1,7 @@
 """Launch and op counting for the scaler tests: device ops outside the kernels
-(:class:`_Ops`), kernel launches (:func:`_launches`), launch plans made (:func:`count_calls`),
-and calls left out of the count (:func:`_uncounted`: the interpreter's work inside a launch,
-an optimizer's own step)."""
+(:class:`_Ops`), kernel launches (:func:`_launches`), the calls of one function
+(:func:`count_calls`: launch plans made, layouts built), and calls left out of the count
+(:func:`_uncounted`: the interpreter's work inside a launch, an optimizer's own step)."""
 
 import contextlib
 import os
@@ -64,8 +64,9 @@ def _launches(monkeypatch):
 
 
 def count_calls(monkeypatch, owner, name, counts=None, key=None) -> Counter:
-    """Counts the calls of ``owner.name`` (``kernels.plan_unscale``: the launch plans made;
-    torch's scaler makes none) in ``counts[key]`` (key: ``name``); returns ``counts``."""
+    """Counts the calls of ``owner.name`` (e.g. ``kernels.plan_unscale``: the launch plans
+    made, which torch's scaler never calls; ``_grads._Layout``: the layouts built) in
+    ``counts[key]`` (key: ``name``); returns ``counts``."""
     counts = Counter() if counts is None else counts
     real = getattr(owner, name)
 

@@ -12,8 +12,8 @@ from _util import assert_same
 from triton_scaler.kernels.bits import bf16_bits_to_fp32, fp32_to_bf16_bits
 
 _BLOCK = 4096
-# low halves of float32 patterns: exact, just below / at / just above the half-way point,
-# the largest
+# low halves of float32 patterns: zero (exact), the smallest, just below / at / just above
+# the half-way point, the largest
 _LOW_HALVES = (0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF)
 
 

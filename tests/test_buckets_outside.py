@@ -1,7 +1,7 @@
 """GradBuckets beside parameters outside them (frozen when the buckets were built, added
 since, replaced in place): zero_() clears their grads as torch's zero_grad(), the scaler
-sees the ones the optimizer holds now, and the buckets' one launch each stays whether the
-grads outside take the planned or the per-grad path. Each case runs the same loop under
+sees the ones the optimizer holds now, and the buckets' grads are unscaled and checked
+whether the grads outside take the planned or the per-grad path. Each case runs the same loop under
 torch's scaler without buckets and under ours, and compares what each call returned or
 raised, every parameter and the optimizer state."""
 
