@@ -60,8 +60,12 @@ def test_set_to_none_warn_mode_takes_the_per_tensor_path(backend):
     assert_all_same(actual[1], expected[1])
 
 
-def test_layout_one_storage_aligned_views():
-    model = make_model()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_layout_one_storage_aligned_views(dtype):
+    """Every grad a view of one buffer, each starting at the first 16-byte boundary after the
+    previous one (no more padding than that), and the buffer's size a multiple of 16
+    elements (the flat launch then specialises aligned)."""
+    model = make_model().to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     buckets = GradBuckets(opt)
     assert len(buckets) == 1
@@ -70,7 +74,12 @@ def test_layout_one_storage_aligned_views():
     for p in model.parameters():
         assert p.grad.untyped_storage().data_ptr() == storage
         assert p.grad.data_ptr() % 16 == 0 and p.grad.shape == p.shape
-    model(torch.randn(2, 12)).sum().backward()
+    per_16_bytes = 16 // dtype.itemsize
+    padded = [-(-p.numel() // per_16_bytes) * per_16_bytes for p in bucket.params]
+    assert [p.grad.storage_offset() for p in bucket.params] == \
+        [sum(padded[:i]) for i in range(len(padded))]
+    assert sum(padded) % 16 != 0 and bucket.buffer.numel() == -(-sum(padded) // 16) * 16
+    model(torch.randn(2, 12, dtype=dtype)).sum().backward()
     assert all(p.grad.untyped_storage().data_ptr() == storage for p in model.parameters())
     buckets.zero_()
     assert not bucket.buffer.any()

@@ -255,6 +255,23 @@ def test_a_first_or_last_grad_replaced_after_the_backward_while_its_view_is_held
     run_both(backend, build, _changing_grads_loop(replace_grad, 3))
 
 
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
+def test_a_middle_grad_replaced_after_the_backward_is_seen(backend):
+    """After the backward a middle grad (not a bucket's first or last, whose addresses are
+    checked) is replaced by a new tensor, nothing holding its old view: the storage's count
+    of live views drops, which alone tells the scaler to unscale and check the new tensor
+    (-inf in it at the second step: skipped). (With its old view held elsewhere the count
+    would stay: the one case README's GradBuckets section says the checks cannot see.)"""
+    def replace_grad(params, step):
+        params[1].grad = params[1].grad * 3.0
+        if step == 1:
+            params[1].grad[-1] = -math.inf
+
+    build = bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (5, 3, 6)])
+    outcomes = run_both(backend, build, _changing_grads_loop(replace_grad, 3))
+    assert [o[0] for o in outcomes] == [8.0, 4.0, 4.0]
+
+
 def test_a_grad_the_scaler_set_to_none_and_autograd_made_again_is_taken_back_quietly(backend):
     """A parameter without gradient in one step (the scaler sets its grad None, as torch's
     zero_grad() would have left it), then used again with ``zero_grad(set_to_none=False)``

@@ -238,3 +238,48 @@ def test_a_grad_assigned_without_autograd_is_a_gradient_at_the_step(backend, rou
         results.append([p.detach().clone() for p in params])
     assert_all_same(results[1], results[0])
     assert results[0][1][0].item() != 2.0  # torch stepped it
+
+
+def test_a_grad_the_user_sets_to_none_after_every_backward_never_counts(backend):
+    """The user drops one parameter's grad after every backward (``p.grad = None``, a hand-made
+    freeze): torch's scaler neither checks nor steps it. With buckets each backward still
+    accumulates into its view, which must be zeroed at every step's check, not only at the
+    first after the grad went None: the inf it holds at the third step is no overflow."""
+    build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (5, 3, 6)])
+
+    def loop(params, opt, scaler, zero_grad):
+        outcomes = []
+        for step in range(4):
+            inf = math.inf if step == 2 else 1.0
+            scaler.scale(params[0].sum() + (params[1] * inf).sum() + params[2].sum()).backward()
+            params[1].grad = None
+            outcomes += [_outcome(lambda: scaler.step(opt)), scaler.get_scale()]
+            scaler.update()
+            zero_grad()
+        return outcomes + [scaler.get_scale()]
+
+    assert _run_both(backend, build, loop) == ["ok", 8.0, "ok", 8.0, "ok", 16.0, "ok", 16.0,
+                                               32.0]
+
+
+@pytest.mark.parametrize("on_detach", ["reattach", "warn"])
+def test_the_detached_grads_warning_counts_a_grad_the_scaler_had_set_to_none(on_detach):
+    """A parameter without gradient in one step (the scaler sets its grad None), then
+    ``buckets.zero_()`` (every grad its view again) and ``optimizer.zero_grad()`` before the
+    next backward: the user detached both grads, and the warning says so (the scaler's record
+    of the grad it had set to None ends at ``zero_``: that grad is the user's again)."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 3)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    buckets = GradBuckets(opt, on_detach=on_detach)
+    scaler = GradScaler("cpu")
+    for step in range(2):
+        buckets.zero_()
+        if step == 1:
+            opt.zero_grad()  # set_to_none=True
+        scaler.scale(sum(p.sum() for p in params[:step + 1])).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scaler.step(opt)
+        scaler.update()
+    assert [str(w.message)[:48] for w in caught] == \
+        ["2 gradient(s) are no longer views into their Gra"]

@@ -15,6 +15,7 @@ from _launch_counting import (
     _Ops,
     _setup,
     _uncounted,
+    count_calls,
     os_interpreter_missing,
 )
 from _util import assert_all_same, step_by_route
@@ -148,6 +149,7 @@ def test_grads_replaced_after_backward_are_unscaled(backend, fresh):
     assert_all_same(actual[1], expected[1])
 
 
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
 def test_bucket_fast_path_sees_assignment_after_backward(backend):
     results = []
     for use_buckets in (False, True):
@@ -196,6 +198,29 @@ def test_the_bucket_fast_path_is_taken_in_the_steady_state(sizes, zero):
     sum((p * p).sum() for p in params).backward()
     assert not bucket.all_views_in_place() or not any(p.numel() for p in params)
     del held
+
+
+def test_the_bucket_check_is_o1_again_after_a_step_with_an_unused_parameter(monkeypatch):
+    """A step in which a parameter takes no part (the scaler sets its grad None and records
+    that it is not its view) costs one per-parameter pass, and ``buckets.zero_()`` one more to
+    give it its view back; from then on neither the check nor ``zero_()`` looks at each
+    parameter again (counted: the per-parameter test whether a grad is its view)."""
+    from triton_scaler._bucket import GradBucket
+
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 9, 3)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    buckets = GradBuckets(opt)
+    (bucket,) = buckets.buckets
+    counts = count_calls(monkeypatch, GradBucket, "_is_view")
+    per_step = []
+    for step in range(4):
+        buckets.zero_()
+        per_step.append(counts["_is_view"])
+        sum((p * p).sum() for i, p in enumerate(params) if step != 1 or i != 1).backward()
+        assert bucket.attach_grads() == (bucket.param_ids if step != 1 else
+                                         frozenset({id(params[0]), id(params[2])}))
+        per_step.append(counts["_is_view"])
+    assert per_step == [0, 0, 0, 3, 5, 5, 5, 5]  # (zero_: not for the grad that is None)
 
 
 def test_counting_accumulations_holds_nothing():
