@@ -155,17 +155,22 @@ def test_zero_gives_back_the_view_of_a_grad_the_scaler_set_to_none(backend):
 
 
 @pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
+@pytest.mark.parametrize("zero", ["buckets.zero_()", "zero_grad(set_to_none=False)"])
 @pytest.mark.parametrize("accumulate", [1, 3])
-def test_a_middle_grad_set_to_none_while_its_view_is_held_is_seen(backend, accumulate):
+def test_a_middle_grad_set_to_none_while_its_view_is_held_is_seen(backend, accumulate, zero):
     """The user sets a middle parameter's grad to None before the backward while holding its
     old view: the storage keeps its count of live views and the first and last grads are
     views, but the backward's accumulation made a new grad, which does not bump the buffer's
-    version as an accumulation into a view does. The scaler must unscale it."""
+    version as an accumulation into a view does. The scaler must unscale it, also when the
+    grads were zeroed in place by ``zero_grad(set_to_none=False)`` (one version bump each,
+    as many as the accumulations into views would make: ``scale()`` forgets them)."""
     build = bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (41, 37, 37)])
 
     def loop(params, opt, scaler, zero_grad):
         held, outcomes = None, []
         for step in range(3):
+            if step and zero != "buckets.zero_()":
+                opt.zero_grad(set_to_none=False)
             if step == 1:
                 held = params[1].grad  # noqa: F841 (kept alive on purpose)
                 params[1].grad = None
@@ -175,7 +180,8 @@ def test_a_middle_grad_set_to_none_while_its_view_is_held_is_seen(backend, accum
             outcomes.append([p.grad.abs().max().item() for p in params])
             scaler.step(opt)
             scaler.update()
-            zero_grad()
+            if zero == "buckets.zero_()":
+                zero_grad()
         return outcomes
 
     run_both(backend, build, loop)

@@ -6,16 +6,19 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._eager import eager_under_compile
 from ._warn import warn_at_caller
 
 _ALIGN_BYTES = 16
 # Parameters held by live buckets. Kept off the parameters themselves, so a pickled or copied
 # model (torch.save, deepcopy) carries no trace of buckets it no longer has.
 _bucketed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_live_buckets: weakref.WeakSet[GradBucket] = weakref.WeakSet()  # for before_backward()
 
 
 def _grad_strides(p: torch.Tensor) -> tuple[int, ...]:
@@ -35,6 +38,19 @@ def _distributed() -> bool:
 def _storage_refs(t: torch.Tensor) -> int:
     """How many tensors (TensorImpls) share ``t``'s storage, plus one for the query itself."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+@eager_under_compile  # (compiled code calling scale(): run eagerly, as the scaler's own work)
+def before_backward() -> None:
+    """A backward is about to start (:meth:`GradScaler.scale` calls this): each live bucket
+    forgets the writes since its last check that no accumulation balanced (grads zeroed in
+    place by ``zero_grad(set_to_none=False)``), so they cannot hide an accumulation of this
+    backward that made a new grad instead of writing into a view. A shortfall is kept. Host
+    only, O(number of buckets)."""
+    for ref in tuple(_live_buckets.data):  # (one C call: other threads may add buckets)
+        bucket = ref()
+        if bucket is not None:
+            bucket.forget_surplus_writes()
 
 
 class GradBucket:
@@ -107,6 +123,7 @@ class GradBucket:
                     self.received[i] = p
                 p.grad = view
         self.checked()
+        _live_buckets.add(self)
 
     def view(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s gradient view into the buffer (a new tensor object each call)."""
@@ -128,11 +145,20 @@ class GradBucket:
         """Start counting accumulations and buffer writes afresh (after a check or a fill)."""
         self._left = operator.length_hint(self._countdown)
         self._version = self.buffer._version
+        self._forgotten_writes = 0
 
     def _writes_and_accumulations(self) -> tuple[int, int]:
         """O(1): the buffer's writes and autograd's accumulations since :meth:`checked`."""
         return (self.buffer._version - self._version,
                 self._left - operator.length_hint(self._countdown))
+
+    def forget_surplus_writes(self) -> None:
+        """O(1): count from here as if the buffer had been written as often as autograd
+        accumulated since :meth:`checked`, when it was written more often."""
+        writes, accumulations = self._writes_and_accumulations()
+        if writes > accumulations:
+            self._version += writes - accumulations
+            self._forgotten_writes += writes - accumulations  # (still writes for DDP's)
 
     def accumulated_in_views(self) -> bool:
         """O(1): every accumulation since :meth:`checked` can have gone into a view (each
@@ -170,6 +196,7 @@ class GradBucket:
         writes, accumulations = self._writes_and_accumulations()
         fast = not self.not_views and len(received) == len(self.params) and \
             writes >= accumulations and self.all_views_in_place()
+        writes += self._forgotten_writes
         self.checked()
         if fast:
             return self.param_ids  # the O(1) path: nothing to do
@@ -310,3 +337,4 @@ class GradBucket:
                 _bucketed.pop(p, None)
         for hook in self._hooks:
             hook.remove()
+        _live_buckets.discard(self)

@@ -15,6 +15,7 @@ from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 from . import ops, reference
 from ._arguments import check_device, check_outputs, check_process_group
 from ._backend import Backend, check_backend
+from ._bucket import before_backward
 from ._clip import ClipMixin
 from ._distributed import agree_over_meshes
 from ._eager import eager_under_compile
@@ -115,8 +116,13 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         as torch (an iterable that is not a list or tuple comes back as a lazy ``map``). The
         structure is checked first: a string, a dict or a non-tensor leaf raises
         ``ScaleOutputsError``, a ``TypeError`` and, as torch's error, a ``ValueError``.
+        The gradient buckets learn that a backward follows (their O(1) check then sees a
+        grad that it makes outside its view even after ``zero_grad(set_to_none=False)``).
         No host sync."""
-        if not self._enabled or isinstance(outputs, torch.Tensor):
+        if not self._enabled:
+            return super().scale(outputs)
+        before_backward()
+        if isinstance(outputs, torch.Tensor):
             return super().scale(outputs)
         return super().scale(check_outputs(outputs))
 
