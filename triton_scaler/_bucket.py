@@ -169,9 +169,9 @@ class GradBucket:
     def all_views_in_place(self) -> bool:
         """O(1): every parameter's grad is still a live view of the buffer, by the storage's
         reference count (another tensor over the buffer kept alive, ``p.grad.view(-1)``,
-        makes this False; a list of the grads themselves does not) and the addresses of the first and last non-empty parameters' grads: views held elsewhere
-        keep the count when grads were replaced too (``zero_grad()`` while a list holds last
-        step's grads)."""
+        makes this False; a list of the grads themselves does not) and the addresses of the
+        first and last non-empty parameters' grads: views held elsewhere keep the count when
+        grads were replaced too (``zero_grad()`` while a list holds last step's grads)."""
         if _storage_refs(self.buffer) != self._all_views_refs:
             return False
         for param, address in self._spot_checks:  # (no other tensor can be at its address)
