@@ -283,3 +283,42 @@ def test_the_detached_grads_warning_counts_a_grad_the_scaler_had_set_to_none(on_
         scaler.update()
     assert [str(w.message)[:48] for w in caught] == \
         ["2 gradient(s) are no longer views into their Gra"]
+
+
+@pytest.mark.parametrize("route", ["unscale_", "clip"])
+def test_a_grad_assigned_after_a_step_without_gradient_is_a_gradient_at_the_step(backend,
+                                                                                route):
+    """With ``zero_grad(set_to_none=False)``: a parameter gets no gradient at the first step
+    (the scaler sets its grad None), then a grad assigned without autograd at the next two.
+    The first goes back into its view quietly (the scaler made the None) and is still this
+    iteration's gradient at the step's second check (no hook recorded it); the second is
+    the user's own detaching: it warns."""
+    build = _bucketed(lambda: [torch.nn.Parameter(torch.full((n,), 2.0)) for n in (5, 3)],
+                      lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5))
+    warned = []
+
+    def loop(params, opt, scaler, zero_grad):
+        outcomes = []
+        for step in range(3):
+            opt.zero_grad(set_to_none=False)
+            scaler.scale(params[0].sum()).backward()
+            if step:
+                params[1].grad = torch.full((3,), 0.5)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if route == "unscale_":
+                    scaler.unscale_(opt)
+                elif isinstance(scaler, GradScaler):
+                    scaler.clip_grad_norm_(opt, 1.0)
+                else:
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None],
+                                                   1.0)
+                scaler.step(opt)
+            scaler.update()
+            warned.append([str(w.message)[:30] for w in caught])
+            outcomes.append([p.grad is None for p in params])
+        return outcomes
+
+    assert _run_both(backend, build, loop) == [[False, True], [False, False], [False, False]]
+    assert warned[:3] == [[], [], ["1 gradient(s) are no longer vi"]]  # ours (torch's: none)
