@@ -2,7 +2,9 @@
 ``scaler.scale()``, which forgets the writes no accumulation balanced before a backward
 (held views with ``zero_grad(set_to_none=False)``: test_buckets_held_views.py)."""
 
+import pytest
 import torch
+from _bucket_loops import run_both
 from _util import assert_all_same
 
 from triton_scaler import GradBuckets, GradScaler, _bucket
@@ -37,3 +39,43 @@ def test_a_written_view_of_an_unused_parameter_survives_another_scalers_scale(mo
         results.append([p.detach().clone() for p in params])
     assert_all_same(results[1], results[0])
     assert results[0][1].tolist() == [0.0] * 3  # 1 - 0.5 * 8 / 4
+
+
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
+@pytest.mark.parametrize("how", ["None", "outside"])
+def test_a_grad_that_was_not_its_view_at_the_last_check_is_looked_at_again(backend, how):
+    """A middle parameter's grad is not its view at a check (``"None"``: set to None before
+    a backward it takes no part in; ``"outside"``: made anew by that backward and left out
+    of the bucket, ``on_detach="warn"``) while the user holds its old view. After
+    ``zero_grad(set_to_none=False)`` the next backward gives it a grad outside the bucket
+    and the grads are halved in place before ``unscale_``, which makes up the version bumps
+    that grad did not make: only the record that it was not its view tells the scaler to
+    unscale and check it."""
+    on_detach = "warn" if how == "outside" else "reattach"
+
+    def build(ours):
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (41, 37, 37)]
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return params, opt, (GradBuckets(opt, on_detach=on_detach).zero_ if ours
+                             else opt.zero_grad)
+
+    def loop(params, opt, scaler, zero_grad):
+        held, outcomes = None, []
+        for step in range(3):
+            if step == 1:
+                held = params[1].grad  # noqa: F841 (kept alive on purpose)
+                params[1].grad = None
+            used = [0, 2] if step == 1 and how == "None" else [0, 1, 2]
+            scaler.scale(sum((params[i] ** 2).sum() for i in used)).backward()
+            if step == 2:
+                for p in params:
+                    p.grad.div_(2.0)
+            scaler.unscale_(opt)
+            outcomes.append([None if p.grad is None else p.grad.abs().max().item()
+                             for p in params])
+            scaler.step(opt)
+            scaler.update()
+            zero_grad() if step == 0 else opt.zero_grad(set_to_none=False)
+        return outcomes
+
+    run_both(backend, build, loop)

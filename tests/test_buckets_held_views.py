@@ -154,6 +154,34 @@ def test_zero_gives_back_the_view_of_a_grad_the_scaler_set_to_none(backend):
     assert outcomes[1][1] is None
 
 
+@pytest.mark.parametrize("how", ["zero_grad()", "no gradient"])
+def test_zero_gives_every_grad_its_view_back(how):
+    """``buckets.zero_()`` after grads left their views, while the user holds a middle
+    grad's view: ``optimizer.zero_grad()`` (every grad None; the last check saw them all in
+    place), or a step in which that middle parameter had no gradient (the scaler set its
+    grad None; the storage's count and the first and last grads look as if all were in
+    place). Every grad is its view again, so the next backward accumulates into the bucket:
+    no detached-grad warning."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (41, 37, 37)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    buckets = GradBuckets(opt)
+    (bucket,) = buckets.buckets
+    scaler = GradScaler("cpu")
+    held = params[1].grad  # noqa: F841 (kept alive on purpose)
+    used = params if how == "zero_grad()" else params[::2]
+    scaler.scale(sum((p * p).sum() for p in used)).backward()
+    scaler.step(opt)
+    scaler.update()
+    if how == "zero_grad()":
+        opt.zero_grad()
+    buckets.zero_()
+    assert [p.grad.data_ptr() for p in params] == [bucket.view(i).data_ptr() for i in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.scale(sum((p * p).sum() for p in params)).backward()
+        scaler.step(opt)
+
+
 @pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
 @pytest.mark.parametrize("zero", ["buckets.zero_()", "zero_grad(set_to_none=False)"])
 @pytest.mark.parametrize("accumulate", [1, 3])

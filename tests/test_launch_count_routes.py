@@ -83,11 +83,14 @@ def test_seven_optimizers_step_on_views_of_the_flag_buffer_every_iteration(backe
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.float32, torch.bfloat16)])
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
 def test_gradient_buckets_plan_their_launch_once(monkeypatch, dtypes):
     """One bucket holding every parameter, or two (float32, bfloat16), over six steps,
     overflows among them: each bucket's launch is planned at the first step and reused (no
-    per-grad grouping either), and each step launches once per bucket: their buffers are
-    unscaled as one flat tensor each, not through their parameters' views."""
+    per-grad grouping either, also at the step whose grads ``zero_grad(set_to_none=True)``
+    detached: copied back, the bucket holds them all again), and each step launches once
+    per bucket: their buffers are unscaled as one flat tensor each, not through their
+    parameters' views."""
     if os_interpreter_missing():
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
     params, opt = _setup(6, True, dtypes=dtypes)
@@ -96,7 +99,7 @@ def test_gradient_buckets_plan_their_launch_once(monkeypatch, dtypes):
     count_calls(monkeypatch, _grads, "_groups_slow", counts, "per_grad")
     with _launches(monkeypatch) as launches:
         for step in range(6):
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad(set_to_none=step == 3)
             loss = sum((p.float() ** 2).sum() for p in params)
             scaler.scale(loss * (math.inf if step in (1, 4) else 1.0)).backward()
             scaler.step(opt)
