@@ -1,6 +1,8 @@
-"""The O(1) bucket check's counts (buffer writes against autograd's accumulations) around
-``scaler.scale()``, which forgets the writes no accumulation balanced before a backward
-(held views with ``zero_grad(set_to_none=False)``: test_buckets_held_views.py)."""
+"""The bucket check's bookkeeping: its counts of buffer writes against autograd's
+accumulations around ``scaler.scale()`` (which forgets the writes no accumulation balanced
+before a backward; held views with ``zero_grad(set_to_none=False)``:
+test_buckets_held_views.py), its record of grads that were not their views, the views of
+grads left None zeroed once, and the user's grad object kept in ``on_detach="warn"``."""
 
 import pytest
 import torch
@@ -79,3 +81,37 @@ def test_a_grad_that_was_not_its_view_at_the_last_check_is_looked_at_again(backe
         return outcomes
 
     run_both(backend, build, loop)
+
+
+@pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
+def test_warn_mode_keeps_the_users_grad_object(backend):
+    """``on_detach="warn"``: a grad assigned after the backward stays the user's own tensor
+    object (unscaled in place on the per-tensor path), not a copy of it."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 3, 6)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    GradBuckets(opt, on_detach="warn").zero_()
+    scaler = GradScaler("cpu", init_scale=4.0, backend=backend)
+    scaler.scale(sum(p.sum() for p in params)).backward()
+    assigned = params[1].grad = torch.full((3,), 8.0)
+    scaler.step(opt)
+    assert params[1].grad is assigned and assigned.tolist() == [2.0] * 3
+
+
+def test_the_view_of_a_grad_left_none_is_zeroed_once(monkeypatch):
+    """A parameter without gradient: its view is zeroed at the first check that finds its
+    grad None (``unscale_``), not again at the step's or at the next iterations' checks while
+    nothing wrote into it (``zero_grad(set_to_none=False)`` leaves None grads alone)."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 3, 6)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    GradBuckets(opt).zero_()
+    scaler = GradScaler("cpu")
+    zeroings = []
+    real = torch._foreach_zero_
+    monkeypatch.setattr(torch, "_foreach_zero_", lambda ts: (zeroings.append(len(ts)), real(ts)))
+    for _ in range(3):
+        scaler.scale(params[0].sum() + params[2].sum()).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=False)
+    assert zeroings == [1] and params[1].grad is None

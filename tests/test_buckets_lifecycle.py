@@ -290,9 +290,9 @@ def test_a_grad_assigned_after_a_step_without_gradient_is_a_gradient_at_the_step
                                                                                 route):
     """With ``zero_grad(set_to_none=False)``: a parameter gets no gradient at the first step
     (the scaler sets its grad None), then a grad assigned without autograd at the next two.
-    The first goes back into its view quietly (the scaler made the None) and is still this
-    iteration's gradient at the step's second check (no hook recorded it); the second is
-    the user's own detaching: it warns."""
+    The first is copied back into its view quietly (the scaler made the None) and is still
+    this iteration's gradient at the step's second check (no hook recorded it); the second
+    is the user's own detaching: copied back too, with a warning."""
     build = _bucketed(lambda: [torch.nn.Parameter(torch.full((n,), 2.0)) for n in (5, 3)],
                       lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5))
     warned = []
@@ -316,9 +316,15 @@ def test_a_grad_assigned_after_a_step_without_gradient_is_a_gradient_at_the_step
                                                    1.0)
                 scaler.step(opt)
             scaler.update()
-            warned.append([str(w.message)[:30] for w in caught])
+            in_bucket = params[1].grad is not None and \
+                params[1].grad.untyped_storage().data_ptr() == buffer_address(params)
+            warned.append(([str(w.message)[:30] for w in caught], in_bucket))
             outcomes.append([p.grad is None for p in params])
         return outcomes
 
+    def buffer_address(params):
+        return params[0].grad.untyped_storage().data_ptr()  # ours: the bucket's buffer
+
     assert _run_both(backend, build, loop) == [[False, True], [False, False], [False, False]]
-    assert warned[:3] == [[], [], ["1 gradient(s) are no longer vi"]]  # ours (torch's: none)
+    assert warned[:3] == [([], False), ([], True),  # ours (torch's: no warning, no bucket)
+                          (["1 gradient(s) are no longer vi"], True)]
