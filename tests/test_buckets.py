@@ -249,6 +249,7 @@ def test_release_frees_params_for_a_rebuilt_optimizer():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     buckets = GradBuckets(opt)
+    (released,) = buckets.buckets
     model(torch.randn(2, 12)).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     buckets.release()
@@ -256,8 +257,31 @@ def test_release_frees_params_for_a_rebuilt_optimizer():
     storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
     assert len(storages) == len(grads)  # each grad has its own storage again
     assert_all_same([p.grad for p in model.parameters()], grads)
+    released.received.clear()
+    model(torch.randn(2, 12)).sum().backward()
+    assert not released.received  # its hooks are gone
     opt2 = torch.optim.SGD(model.parameters(), lr=0.1)
     assert len(GradBuckets(opt2)) == 1
+
+
+def test_buckets_built_between_the_backward_and_the_step_keep_its_grads(backend):
+    """GradBuckets built after the backward (the grads already there) copy each grad into its
+    view and count it as this iteration's gradient: both steps are torch's."""
+    results = []
+    for ours in (False, True):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 3)]
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        scaler = GradScaler("cpu", backend=backend) if ours else torch.amp.GradScaler("cpu")
+        for step in range(2):
+            scaler.scale(sum((p * p).sum() for p in params)).backward()
+            if ours and step == 0:
+                buckets = GradBuckets(opt)
+            scaler.step(opt)
+            scaler.update()
+            buckets.zero_() if ours else opt.zero_grad()
+        results.append([p.detach().clone() for p in params])
+    assert_all_same(results[1], results[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -225,17 +225,22 @@ def test_the_bucket_check_is_o1_again_after_a_step_with_an_unused_parameter(monk
 
 def test_counting_accumulations_holds_nothing():
     """The bucket counts accumulations between its checks; with no check at all (a disabled
-    scaler, zero_grad(set_to_none=False)) that must not hold memory per backward."""
+    scaler, zero_grad(set_to_none=False)) that must not hold memory per backward, nor run
+    out: after 150 backwards an accumulation that makes a new grad is still counted."""
     p = torch.nn.Parameter(torch.randn(5))
     opt = torch.optim.SGD([p], lr=0.1)
     (bucket,) = GradBuckets(opt).buckets
     counts = []
-    for _ in range(50):
+    for _ in range(150):
         (p * p).sum().backward()
         opt.zero_grad(set_to_none=False)
         counts.append(sys.getrefcount(p))
     assert counts[-1] == counts[0]
     assert bucket.accumulated_in_views()
+    bucket.checked()
+    p.grad = None  # the next accumulation makes a new grad: still counted
+    (p * p).sum().backward()
+    assert not bucket.accumulated_in_views()
 
 
 def test_no_grad_is_kept_alive_between_steps(backend):
