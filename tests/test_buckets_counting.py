@@ -12,24 +12,27 @@ from _util import assert_all_same
 from triton_scaler import GradBuckets, GradScaler, _bucket
 
 
+@pytest.mark.parametrize("first_used", [True, False])
 def test_a_written_view_of_an_unused_parameter_survives_another_scalers_scale(monkeypatch,
-                                                                              backend):
+                                                                              backend,
+                                                                              first_used):
     """Under DDP (``find_unused_parameters=True``) the reduced gradient of a parameter this
     rank did not use is written into its view after the backward. A second scaler's
     ``scale()`` (a second model's loss) between that backward and this scaler's step forgets
     the write for the O(1) check, not for finding such views: the parameter steps with that
-    gradient, as under torch's scaler, where DDP's grad is a tensor of its own."""
+    gradient, as under torch's scaler, where DDP's grad is a tensor of its own. Also when
+    this rank used none of the bucket's parameters (the loss: one outside the optimizer)."""
     monkeypatch.setattr(_bucket, "_distributed", lambda: True)  # (no process group needed)
     results = []
     for ours in (False, True):
-        params = [torch.nn.Parameter(torch.full((n,), 1.0)) for n in (5, 3)]
-        opt = torch.optim.SGD(params, lr=0.5)
+        params = [torch.nn.Parameter(torch.full((n,), 1.0)) for n in (5, 3, 2)]
+        opt = torch.optim.SGD(params[:2], lr=0.5)
         if ours:
             GradBuckets(opt).zero_()
         make = (lambda: GradScaler("cpu", init_scale=4.0, backend=backend)) if ours else \
             (lambda: torch.amp.GradScaler("cpu", init_scale=4.0))
         scaler, other = make(), make()
-        scaler.scale(params[0].sum()).backward()
+        scaler.scale(params[0 if first_used else 2].sum()).backward()
         with torch.no_grad():  # DDP's reduced gradient, scaled
             if ours:
                 params[1].grad.fill_(8.0)
