@@ -4,6 +4,8 @@ before a backward; held views with ``zero_grad(set_to_none=False)``:
 test_buckets_held_views.py), its record of grads that were not their views, the views of
 grads left None zeroed once, and the user's grad object kept in ``on_detach="warn"``."""
 
+import math
+
 import pytest
 import torch
 from _bucket_loops import run_both
@@ -89,15 +91,18 @@ def test_a_grad_that_was_not_its_view_at_the_last_check_is_looked_at_again(backe
 @pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket")
 def test_warn_mode_keeps_the_users_grad_object(backend):
     """``on_detach="warn"``: a grad assigned after the backward stays the user's own tensor
-    object (unscaled in place on the per-tensor path), not a copy of it."""
+    object (unscaled in place on the per-tensor path), not a copy of it, and what the
+    backward left in its view (inf) is zeroed: no overflow."""
     params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 3, 6)]
     opt = torch.optim.SGD(params, lr=0.1)
     GradBuckets(opt, on_detach="warn").zero_()
     scaler = GradScaler("cpu", init_scale=4.0, backend=backend)
-    scaler.scale(sum(p.sum() for p in params)).backward()
+    scaler.scale(params[0].sum() + (params[1] * math.inf).sum() + params[2].sum()).backward()
     assigned = params[1].grad = torch.full((3,), 8.0)
     scaler.step(opt)
+    scaler.update()
     assert params[1].grad is assigned and assigned.tolist() == [2.0] * 3
+    assert scaler.get_scale() == 4.0 and scaler.skipped_steps == 0
 
 
 def test_the_view_of_a_grad_left_none_is_zeroed_once(monkeypatch):
