@@ -28,7 +28,10 @@ class GradBuckets:
 
     Use :meth:`zero_` (one fill per bucket) instead of ``optimizer.zero_grad()``. Parameters
     added to the optimizer later are unscaled by the per-tensor path. Buckets hold no state of
-    their own: model and optimizer checkpoints are unaffected.
+    their own: model and optimizer checkpoints are unaffected. Do not hold a grad's old view
+    while its parameter gets another grad (assigned after the backward, or set to None before
+    it and the grads then written in place): the O(1) check may not see that grad (README,
+    "Host cost with buckets").
 
     One buffer per (device, dtype) of the parameters (CPU or CUDA; float32, float16,
     bfloat16, float64), 16-byte aligned; grads present when it is built are copied in. No method
