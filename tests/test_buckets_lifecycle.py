@@ -238,3 +238,26 @@ def test_a_grad_assigned_without_autograd_is_a_gradient_at_the_step(backend, rou
         results.append([p.detach().clone() for p in params])
     assert_all_same(results[1], results[0])
     assert results[0][1][0].item() != 2.0  # torch stepped it
+
+
+def test_buckets_built_from_a_parameter_list_zero_and_release(backend):
+    """GradBuckets over a list of parameters (no optimizer to register on): ``zero_()`` and
+    ``release()`` work on the buckets alone, and an optimizer over those parameters steps as
+    torch's without buckets (its scaler covers the grads per tensor)."""
+    results = []
+    for ours in (False, True):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 3)]
+        buckets = GradBuckets(params) if ours else None
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        scaler = GradScaler("cpu", backend=backend) if ours else torch.amp.GradScaler("cpu")
+        for _ in range(2):
+            buckets.zero_() if ours else opt.zero_grad()
+            scaler.scale(sum((p * p).sum() for p in params)).backward()
+            scaler.step(opt)
+            scaler.update()
+        if ours:
+            buckets.release()
+            assert len(buckets) == 0 and not hasattr(opt, "_triton_scaler_buckets")
+        results.append([p.detach().clone() for p in params] + [p.grad for p in params])
+    assert_all_same(results[1], results[0])
