@@ -36,11 +36,12 @@ def outcome(call):
         return f"{type(error).__name__}: {error}"
 
 
-def bucketed(make_params, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)):
+def bucketed(make_params, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+             on_detach="reattach"):
     def build(ours):
         params = make_params()
         opt = optimizer([p for p in params if p.requires_grad])
         if not ours:
             return params, opt, opt.zero_grad
-        return params, opt, GradBuckets(opt).zero_
+        return params, opt, GradBuckets(opt, on_detach=on_detach).zero_
     return build

@@ -61,13 +61,8 @@ def test_a_grad_that_was_not_its_view_at_the_last_check_is_looked_at_again(backe
     and the grads are halved in place before ``unscale_``, which makes up the version bumps
     that grad did not make: only the record that it was not its view tells the scaler to
     unscale and check it."""
-    on_detach = "warn" if how == "outside" else "reattach"
-
-    def build(ours):
-        params = [torch.nn.Parameter(torch.randn(n)) for n in (41, 37, 37)]
-        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-        return params, opt, (GradBuckets(opt, on_detach=on_detach).zero_ if ours
-                             else opt.zero_grad)
+    build = bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (41, 37, 37)],
+                     on_detach="warn" if how == "outside" else "reattach")
 
     def loop(params, opt, scaler, zero_grad):
         held, outcomes = None, []

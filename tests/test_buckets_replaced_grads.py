@@ -10,8 +10,6 @@ import pytest
 import torch
 from _bucket_loops import bucketed, run_both
 
-from triton_scaler import GradBuckets
-
 
 def _changing_grads_loop(change, steps: int):
     """A loop over ``steps`` steps whose grads ``change(params, step)`` alters after each
@@ -39,11 +37,8 @@ def test_grads_swapped_between_parameters_of_one_shape(backend, on_detach, swap)
     then the other's view into the bucket. Each parameter steps with the grad it holds, as
     under torch's scaler: copied back (or, with ``"warn"``, left outside) without one copy
     overwriting the other's source. -inf planted in the last grad at the third step."""
-    def build(ours):
-        params = [torch.nn.Parameter(torch.randn(n)) for n in (4, 4, 7, 7)]
-        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-        return params, opt, GradBuckets(opt, on_detach=on_detach).zero_ if ours \
-            else opt.zero_grad
+    build = bucketed(lambda: [torch.nn.Parameter(torch.randn(n)) for n in (4, 4, 7, 7)],
+                     on_detach=on_detach)
 
     def swap_grads(params, step):
         a, b = (0, 1) if swap == "first two" else (2, 3)
