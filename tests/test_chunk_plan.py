@@ -2,10 +2,11 @@
 caches, the grads it leaves out (empty ones, aliases) and the flat path of a single grad.
 
 The kernels' results over these plans are tested against torch's op elsewhere
-(``test_ops_unscale.py``, ``test_overlapping_grads.py``); a plan with a chunk too many (of
-negative length) or a table built anew each step would still give those results, so the
-rows and the caches are checked here, against a table written out in Python. CPU tensors:
-a plan is host work (only its upload differs on a GPU)."""
+(``test_ops_unscale.py``, ``test_overlapping_grads.py``, ``test_grads_sharing_memory.py``);
+a plan with a chunk too many (of negative length) or a table built anew each step would
+still give those results, so the rows and the caches are checked here, against a table
+written out in Python. CPU tensors: a plan is host work (only its upload differs on a
+GPU)."""
 
 import pytest
 import torch
