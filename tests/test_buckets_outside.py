@@ -12,7 +12,8 @@ import torch
 from _bucket_loops import outcome as _outcome
 from _bucket_loops import run_both as _run_both
 
-from triton_scaler import GradBuckets
+import triton_scaler.buckets as buckets_module
+from triton_scaler import GradBuckets, GradScaler
 
 
 def _middle_one_outside(ours):
@@ -125,3 +126,29 @@ def test_a_parameter_outside_the_buckets_without_a_gradient(backend):
 
     expected = ["ok", 8.0, "ok", 16.0, "ok", 8.0, "ok", 8.0, "ok", 16.0, None]
     assert _run_both(backend, _middle_one_outside, loop) == expected
+
+
+def test_the_parameters_outside_are_looked_up_again_only_when_the_lists_change(monkeypatch):
+    """zero_() finds the optimizer's parameters outside the buckets once and keeps them while
+    the parameter lists hold the same parameters, also at steps where a bucket's parameter
+    received no gradient (its identity pass then finds nothing replaced); it looks again
+    when a parameter outside, or one of a bucket's, is replaced in place."""
+    lookups = []
+    real = buckets_module.param_lists
+    monkeypatch.setattr(buckets_module, "param_lists",
+                        lambda groups: lookups.append(1) or real(groups))
+    params, opt, zero_grad = _middle_one_outside(True)
+    scaler = GradScaler("cpu", init_scale=8.0)
+    counts = []
+    for step in range(8):
+        if step in (4, 6):  # the one outside, then a bucket's first one, replaced in place
+            i = 1 if step == 4 else 0
+            params[i] = opt.param_groups[0]["params"][i] = torch.nn.Parameter(
+                torch.randn(params[i].shape))
+        used = params[1:] if step in (0, 2) else params  # the first one: no gradient
+        scaler.scale(sum((p * (i + 1.0)).sum() for i, p in enumerate(used))).backward()
+        scaler.step(opt)
+        scaler.update()
+        zero_grad()
+        counts.append(len(lookups))
+    assert counts == [1, 1, 1, 1, 2, 2, 3, 3]
