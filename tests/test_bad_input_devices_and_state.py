@@ -118,6 +118,21 @@ def test_grad_buckets_name_a_parameter_that_is_not_a_tensor_and_claim_none():
     assert len(GradBuckets([p]).buckets) == 1  # the failed call left p unclaimed
 
 
+def test_grad_buckets_refuse_a_tensor_subclass_parameter_and_claim_none():
+    """A parameter of a tensor subclass (FSDP2's DTensor, FSDP1's FlatParameter: one
+    process, this subclass stands for them) is refused by its index and type, with the way
+    out (GradScaler without GradBuckets); the plain parameter before it stays unclaimed."""
+    class ShardedParameter(torch.nn.Parameter):
+        pass
+
+    p = torch.nn.Parameter(torch.ones(2))
+    expected = ("^parameter 1 is a ShardedParameter, not a plain tensor: GradBuckets needs "
+                "plain dense parameters on one rank.*use GradScaler without GradBuckets there")
+    with pytest.raises(TypeError, match=expected):
+        GradBuckets([p, ShardedParameter(torch.ones(3))])
+    assert len(GradBuckets([p]).buckets) == 1
+
+
 def test_apex_load_state_dict_names_the_keys_it_needs(backend):
     amp = Amp(num_losses=2, backend=backend)
     before = amp.state_dict()
