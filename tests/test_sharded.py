@@ -119,6 +119,32 @@ def test_pickles_and_copies_with_a_group_leaving_it_out():
                 assert clone.state_dict() == scaler.state_dict() and type(clone) is type(scaler)
                 held = "process_group" if type(clone) is ShardedGradScaler else "_process_group"
                 assert getattr(clone, held) is None
+                assert set(vars(clone)) == set(vars(scaler))  # nothing stray left in
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@needs_gloo
+def test_agrees_over_its_process_group_else_the_default_group(monkeypatch):
+    """found_inf is all-reduced over ``process_group`` when one is given, and over the
+    default group (looked up at the agreement) when it is None. One in-process gloo rank on
+    a HashStore; the all-reduce is watched for the group it is given."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        groups = []
+        all_reduce = dist.all_reduce
+        monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: (
+            groups.append(kwargs.get("group")), all_reduce(tensor, *args, **kwargs))[1])
+        subgroup = dist.new_group([0])
+        param = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.SGD([param], lr=1.0)
+        for process_group in (subgroup, None):
+            scaler = ShardedGradScaler("cpu", 2.0**4, process_group=process_group)
+            param.grad = scaler.scale(torch.ones(3))
+            scaler.unscale_(opt)
+        assert groups[0] is subgroup and groups[1] is dist.group.WORLD and len(groups) == 2
     finally:
         dist.barrier()
         dist.destroy_process_group()
