@@ -1,5 +1,6 @@
 """GPU tests of where the kernels read and write: grads on a CUDA device that is not the
-current one (launches, streams and the step's host read go to the grads' device), and offsets
+current one (launches, streams and the step's host read go to the grads' device), one
+optimizer over CUDA and CPU parameters (the step, the fused clip), and offsets
 past 2^31 elements (table rows that far from the first grad: tests/test_ops_unscale.py, also
 through the interpreter). Skipped without CUDA; run with tests/run_gpu.sh."""
 
@@ -88,6 +89,46 @@ def test_an_optimizer_over_cuda_and_cpu_parameters_steps_as_torchs(cuda, inf_on,
     (theirs, their_params), (ours, our_params) = results
     assert ours == theirs
     assert_all_same(our_params, their_params)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("inf_on", [None, "cuda", "cpu"])
+def test_the_fused_clip_over_cuda_and_cpu_parameters(cuda, norm_type, inf_on):
+    """``backend="auto"``: the CUDA grads' read and write passes run on Triton, the CPU
+    grads' on torch's ops (tests/test_clip_mixed_backends.py stands in for this on the CPU).
+    One norm on the scale's device, within 1e-5 of an fp64 oracle; every grad is
+    ``g * inv_scale * coef`` given it, bit for bit; an inf on either device skips the step."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4097, generator=gen).to(cuda)),
+              torch.nn.Parameter(torch.randn(33, generator=gen))]
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = GradScaler("cuda", init_scale=1000.0)
+    scaler.scale((params[0] ** 2).sum() + (params[1] ** 2).sum().to(cuda)).backward()
+    if inf_on is not None:
+        params[0 if inf_on == "cuda" else 1].grad[-1] = math.inf
+    unscaled = [p.grad.clone() for p in params]
+    inv = torch.full((), 1000.0).double().reciprocal().float()
+    for g in unscaled:
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [g], torch.zeros((), device=g.device), inv.to(g.device))
+    before = [p.detach().clone() for p in params]
+    total = scaler.clip_grad_norm_(opt, 0.5, norm_type)
+    assert total.device.type == "cuda" and total.dtype == torch.float32
+    if inf_on is None:
+        flat = torch.cat([g.double().cpu() for g in unscaled])
+        norm = torch.linalg.vector_norm(flat, norm_type).item()
+        assert abs(total.item() - norm) <= 1e-5 * norm
+        coef = torch.clamp(0.5 / (total + 1e-6), max=1.0)
+        for g in unscaled:
+            g.mul_(coef.to(g.device))
+        assert_all_same([p.grad.cpu() for p in params], [g.cpu() for g in unscaled])
+    else:
+        assert not math.isfinite(total.item())
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == (500.0 if inf_on else 1000.0)
+    if inf_on is not None:
+        assert_all_same([p.detach() for p in params], before)
 
 
 def test_backend_triton_refuses_an_optimizer_with_cpu_parameters(cuda):

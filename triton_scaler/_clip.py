@@ -52,11 +52,17 @@ def _norm_entries(params) -> list[tuple[torch.Tensor, MeshLayout | None]]:
             else (param.grad, None) for param in params]
 
 
-def _group_partial(group, found_inf, scale, norm_type: float, backend: str) -> torch.Tensor:
+def _on_triton(group, backend: str) -> bool:
+    """One :class:`GradGroup` runs on the Triton kernels (else torch's ops: with ``"auto"``,
+    a group on the CPU beside CUDA ones)."""
+    return resolve_backend(backend, group.device) == "triton"
+
+
+def _group_partial(group, found_inf, scale, norm_type: float, on_triton: bool) -> torch.Tensor:
     """The Triton read pass of one :class:`GradGroup` (found_inf and its sum of squares, or
-    max ``|x|``, of the unscaled grads); on the reference backend (a group on another device
-    than the Triton groups) the same from an in-place unscale and torch's norms."""
-    if resolve_backend(backend, found_inf.device) == "triton":
+    max ``|x|``, of the unscaled grads); off Triton (a group on another device than the
+    Triton groups) the same from an in-place unscale and torch's norms."""
+    if on_triton:
         return triton_kernels().launch_unscale(group.launch_target(), found_inf, scale,
                                                write=False, norm=2 if norm_type == 2.0 else -1,
                                                inv_from_scale=True)
@@ -197,7 +203,7 @@ class ClipMixin:
         with torch.no_grad():
             groups, mesh_groups = grad_groups(optimizer, self._unscales_fp16, self._backend)
             # torch's arithmetic where no group runs on the Triton kernels
-            on_triton = [resolve_backend(self._backend, g.device) == "triton" for g in groups]
+            on_triton = [_on_triton(g, self._backend) for g in groups]
             if not any(on_triton):
                 for group in groups:
                     dev = group.device
@@ -212,8 +218,8 @@ class ClipMixin:
             else:
                 refuse_overlapping_writes(groups, self._backend)  # before the read pass
                 partials = [(_group_partial(g, found_for.get(g.device), scale_for.get(g.device),
-                                            norm_type, self._backend), g.mesh_groups)
-                            for g in groups]
+                                            norm_type, triton), g.mesh_groups)
+                            for g, triton in zip(groups, on_triton)]
                 total = combine_partials(partials, norm_type, shard_group, device)
             if not groups and self._process_group is not None:
                 found_for.get(device)  # no grads here: join the agreement with 0

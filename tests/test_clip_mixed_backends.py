@@ -1,0 +1,64 @@
+"""GradScaler.clip_grad_norm_ when some grad groups run on the Triton kernels and others on
+torch's ops: with ``backend="auto"`` on a GPU machine, grads on the CPU (offloaded
+parameters) beside CUDA ones. Here, on the CPU, the float32 group stands for the CUDA one
+(Triton, through the interpreter) and the bfloat16 group for the CPU one (torch's ops). The
+norm of both is one norm, each grad is ``dtype(dtype(g * inv_scale) * clip_coef)``, and an
+overflow in either group skips the step, as torch's ``unscale_`` + ``clip_grad_norm_``."""
+
+import math
+
+import pytest
+import torch
+from _util import assert_all_same
+
+from triton_scaler import GradScaler, _clip
+
+SCALE = 1000.0  # not a power of two: the unscaled bf16 grads are rounded
+SIZES_AND_DTYPES = [(7, torch.float32), (33, torch.bfloat16), (4099, torch.float32),
+                    (1, torch.bfloat16), (300, torch.bfloat16)]
+
+
+def _backward(scaler, plant):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype))
+              for n, dtype in SIZES_AND_DTYPES]
+    targets = [torch.randn(p.shape, generator=gen) * 3 for p in params]
+    scaler.scale(sum((p.float() * t).sum() for p, t in zip(params, targets))).backward()
+    if plant is not None:  # the last element of that group's last grad
+        index = {"triton": 2, "torch": 4}[plant]
+        with torch.no_grad():
+            params[index].grad[-1] = math.inf
+    return params, torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("plant", [None, "triton", "torch"])
+def test_groups_on_triton_and_on_torchs_ops_clip_as_one(monkeypatch, norm_type, plant):
+    routes = []
+    monkeypatch.setattr(_clip, "_on_triton", lambda group, backend: routes.append(
+        group.grads[0].dtype) or group.grads[0].dtype == torch.float32)
+    ours = GradScaler("cpu", init_scale=SCALE, backend="triton")
+    theirs = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    params, opt = _backward(ours, plant)
+    expected_params, expected_opt = _backward(theirs, plant)
+    max_norm = 0.5
+    total = ours.clip_grad_norm_(opt, max_norm, norm_type)
+    assert sorted(routes, key=str) == [torch.bfloat16, torch.float32]  # one group each
+    assert total.dtype == torch.float32 and total.shape == ()
+    theirs.unscale_(expected_opt)
+    unscaled = [p.grad.clone() for p in expected_params]
+    if plant is None:
+        flat = torch.cat([g.double().reshape(-1) for g in unscaled])
+        norm = torch.linalg.vector_norm(flat, norm_type).item()
+        assert abs(total.item() - norm) <= 1e-5 * norm
+        torch._foreach_mul_(unscaled, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        assert_all_same([p.grad for p in params], unscaled)
+        for p, g in zip(expected_params, unscaled):
+            p.grad = g  # torch's step on the same clipped grads
+    else:
+        assert not math.isfinite(total.item())
+    for scaler, optimizer in ((ours, opt), (theirs, expected_opt)):
+        scaler.step(optimizer)
+        scaler.update()
+    assert ours.get_scale() == theirs.get_scale() == (SCALE / 2 if plant else SCALE)
+    assert_all_same([p.detach() for p in params], [p.detach() for p in expected_params])
