@@ -14,33 +14,40 @@ from _util import assert_all_same
 from triton_scaler import GradScaler, _clip
 
 SCALE = 1000.0  # not a power of two: the unscaled bf16 grads are rounded
-SIZES_AND_DTYPES = [(7, torch.float32), (33, torch.bfloat16), (4099, torch.float32),
-                    (1, torch.bfloat16), (300, torch.bfloat16)]
+FP32_SIZES = (7, 4099)  # on Triton
+BF16_SIZES = {"bf16": (33, 0, 1, 300), "bf16 empty": (0,)}  # on torch's ops
 
 
-def _backward(scaler, plant):
+def _backward(scaler, bf16_sizes, plant):
+    """fp32, the bf16 parameters, fp32; an inf at the end of that route's last grad."""
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype))
-              for n, dtype in SIZES_AND_DTYPES]
+    sizes = [(FP32_SIZES[0], torch.float32), *[(n, torch.bfloat16) for n in bf16_sizes],
+             (FP32_SIZES[1], torch.float32)]
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n, dtype in sizes]
     targets = [torch.randn(p.shape, generator=gen) * 3 for p in params]
     scaler.scale(sum((p.float() * t).sum() for p, t in zip(params, targets))).backward()
-    if plant is not None:  # the last element of that group's last grad
-        index = {"triton": 2, "torch": 4}[plant]
+    if plant is not None:
+        dtype = torch.float32 if plant == "triton" else torch.bfloat16
         with torch.no_grad():
-            params[index].grad[-1] = math.inf
+            [p for p in params if p.dtype == dtype][-1].grad[-1] = math.inf
     return params, torch.optim.SGD(params, lr=0.1)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 @pytest.mark.parametrize("plant", [None, "triton", "torch"])
-def test_groups_on_triton_and_on_torchs_ops_clip_as_one(monkeypatch, norm_type, plant):
+@pytest.mark.parametrize("bf16", list(BF16_SIZES))
+def test_groups_on_triton_and_on_torchs_ops_clip_as_one(monkeypatch, norm_type, plant, bf16):
+    """An empty grad counts for nothing in the inf norm (torch's max of no element raises);
+    a group of only empty grads adds nothing to the norm."""
+    if plant == "torch" and bf16 == "bf16 empty":
+        pytest.skip("no element to plant an inf in")
     routes = []
     monkeypatch.setattr(_clip, "_on_triton", lambda group, backend: routes.append(
         group.grads[0].dtype) or group.grads[0].dtype == torch.float32)
     ours = GradScaler("cpu", init_scale=SCALE, backend="triton")
     theirs = torch.amp.GradScaler("cpu", init_scale=SCALE)
-    params, opt = _backward(ours, plant)
-    expected_params, expected_opt = _backward(theirs, plant)
+    params, opt = _backward(ours, BF16_SIZES[bf16], plant)
+    expected_params, expected_opt = _backward(theirs, BF16_SIZES[bf16], plant)
     max_norm = 0.5
     total = ours.clip_grad_norm_(opt, max_norm, norm_type)
     assert sorted(routes, key=str) == [torch.bfloat16, torch.float32]  # one group each
