@@ -186,3 +186,50 @@ def test_an_empty_shard_is_left_out_of_the_inf_norm(mesh):
                        math.inf)
     assert_same(total_ours, total.full_tensor())
     assert_all_same([g for g in _locals(ours) if g.numel()], _locals(theirs))
+
+
+@pytest.mark.parametrize("error_if_nonfinite", [False, True])
+@pytest.mark.parametrize("norm_type, enabled", [(3.0, True), (2.0, False)])
+def test_a_nonfinite_sharded_norm_raises_only_when_asked(mesh, norm_type, enabled,
+                                                         error_if_nonfinite):
+    """``sharded=True`` through the unfused route (``norm_type`` 3, or a disabled scaler)
+    with an inf in one shard: as torch's clip on this rank's grads, the norm is inf and the
+    grads are multiplied by its coefficient, or, with ``error_if_nonfinite=True``, the
+    clip raises and leaves them (unscaled) as they were. Without the inf it never raises."""
+    finite = GradScaler("cpu", init_scale=SCALE, backend="reference", enabled=enabled,
+                        process_group=dist.group.WORLD)
+    params = [torch.nn.Parameter(torch.zeros(5))]
+    params[0].grad = _scaled((5,), torch.float32, 39)
+    total = _clip(finite, params, norm_type, error_if_nonfinite=error_if_nonfinite,
+                  sharded=True)
+    assert math.isfinite(total.item()) and bool(params[0].grad.isfinite().all())
+    results = []
+    for ours in (True, False):
+        params = [torch.nn.Parameter(torch.zeros(n)) for n in (5, 3)]
+        for i, param in enumerate(params):
+            param.grad = _scaled(param.shape, torch.float32, 40 + i) / (1.0 if enabled else SCALE)
+        params[-1].grad[-1] = math.inf
+        opt = torch.optim.SGD(params, lr=0.1)
+        try:
+            if ours:
+                scaler = GradScaler("cpu", init_scale=SCALE, backend="reference",
+                                    enabled=enabled, process_group=dist.group.WORLD)
+                scaler.scale(torch.ones(()))
+                outcome = scaler.clip_grad_norm_(opt, MAX_NORM, norm_type, error_if_nonfinite,
+                                                 sharded=True)
+            else:
+                scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, enabled=enabled)
+                scaler.scale(torch.ones(()))
+                scaler.unscale_(opt)
+                outcome = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, norm_type,
+                                                         error_if_nonfinite)
+        except RuntimeError as error:
+            outcome = str(error)
+        results.append((outcome, [p.grad for p in params]))
+    (ours, our_grads), (theirs, their_grads) = results
+    if error_if_nonfinite:
+        assert ours == theirs and "is non-finite, so it cannot be clipped" in ours
+    else:
+        assert_same(ours, theirs)
+        assert math.isinf(ours.item())
+    assert_all_same(our_grads, their_grads)
