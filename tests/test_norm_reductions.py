@@ -233,3 +233,14 @@ def test_a_nonfinite_sharded_norm_raises_only_when_asked(mesh, norm_type, enable
         assert_same(ours, theirs)
         assert math.isinf(ours.item())
     assert_all_same(our_grads, their_grads)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, 3.0])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_rank_without_grads_joins_the_sharded_norm_with_zero(mesh, norm_type, enabled):
+    """``sharded=True`` on a rank whose parameters have no grad (every route: fused, unfused,
+    disabled): the norm is a float32 zero, as torch's clip of no grads."""
+    scaler = GradScaler("cpu", init_scale=SCALE, enabled=enabled,
+                        process_group=dist.group.WORLD)
+    total = _clip(scaler, [torch.nn.Parameter(torch.zeros(3))], norm_type, sharded=True)
+    assert_same(total, torch.zeros(()))
