@@ -5,6 +5,7 @@ scales, skipped steps and parameters, and agreement where torch's has none."""
 
 import copy
 import datetime
+import operator
 import pickle
 
 import pytest
@@ -128,7 +129,8 @@ def test_pickles_and_copies_with_a_group_leaving_it_out():
 @needs_gloo
 def test_agrees_over_its_process_group_else_the_default_group(monkeypatch):
     """found_inf is all-reduced over ``process_group`` when one is given, and over the
-    default group (looked up at the agreement) when it is None. One in-process gloo rank on
+    default group (looked up at the agreement) when it is None, by ``unscale_`` and by the
+    fused ``clip_grad_norm_``. One in-process gloo rank on
     a HashStore; the all-reduce is watched for the group it is given."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=30))
@@ -141,10 +143,15 @@ def test_agrees_over_its_process_group_else_the_default_group(monkeypatch):
         param = torch.nn.Parameter(torch.ones(3))
         opt = torch.optim.SGD([param], lr=1.0)
         for process_group in (subgroup, None):
-            scaler = ShardedGradScaler("cpu", 2.0**4, process_group=process_group)
-            param.grad = scaler.scale(torch.ones(3))
-            scaler.unscale_(opt)
-        assert groups[0] is subgroup and groups[1] is dist.group.WORLD and len(groups) == 2
+            for clip in (False, True):  # the fused clip agrees too (its norm: the rank's own)
+                scaler = ShardedGradScaler("cpu", 2.0**4, process_group=process_group)
+                param.grad = scaler.scale(torch.ones(3))
+                if clip:
+                    scaler.clip_grad_norm_(opt, 1.0, sharded=False)
+                else:
+                    scaler.unscale_(opt)
+        expected = [subgroup, subgroup, dist.group.WORLD, dist.group.WORLD]
+        assert len(groups) == 4 and all(map(operator.is_, groups, expected))
     finally:
         dist.barrier()
         dist.destroy_process_group()
