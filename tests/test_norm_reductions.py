@@ -244,3 +244,15 @@ def test_a_rank_without_grads_joins_the_sharded_norm_with_zero(mesh, norm_type, 
                         process_group=dist.group.WORLD)
     total = _clip(scaler, [torch.nn.Parameter(torch.zeros(3))], norm_type, sharded=True)
     assert_same(total, torch.zeros(()))
+
+
+def test_dtensor_grads_need_no_sharded_argument_beside_a_process_group(mesh):
+    """Only plain grads ask whether they are shards: DTensor grads alone (FSDP2) clip with a
+    ``process_group`` and ``sharded`` left out, as without the group."""
+    totals = []
+    for group in (None, dist.group.WORLD):
+        params = _dtensor_params(mesh, (torch.float32,) * 5)
+        scaler = GradScaler("cpu", init_scale=SCALE, backend="reference", process_group=group)
+        totals.append((_clip(scaler, params, 2.0), _locals(params)))
+    assert_same(totals[0][0], totals[1][0])
+    assert_all_same(totals[0][1], totals[1][1])
