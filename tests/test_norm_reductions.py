@@ -58,14 +58,15 @@ def _dtensor_params(mesh, dtypes, shapes=SHAPES, placements=PLACEMENTS, **values
     return params
 
 
-def _clip(scaler, params, norm_type, **kwargs):
-    """``scaler``'s clip of ``params``' grads: ours, or torch's ``unscale_`` + clip."""
+def _clip(scaler, params, norm_type, error_if_nonfinite=False, **kwargs):
+    """``scaler``'s clip of ``params``' grads: ours (with ``kwargs``: ``sharded``), or
+    torch's ``unscale_`` + clip."""
     opt = torch.optim.SGD(params, lr=0.1)
     scaler.scale(torch.ones(()))  # the scale made
     if isinstance(scaler, GradScaler):
-        return scaler.clip_grad_norm_(opt, MAX_NORM, norm_type, **kwargs)
+        return scaler.clip_grad_norm_(opt, MAX_NORM, norm_type, error_if_nonfinite, **kwargs)
     scaler.unscale_(opt)
-    return torch.nn.utils.clip_grad_norm_(params, MAX_NORM, norm_type)
+    return torch.nn.utils.clip_grad_norm_(params, MAX_NORM, norm_type, error_if_nonfinite)
 
 
 def _locals(params):
@@ -200,8 +201,7 @@ def test_a_nonfinite_sharded_norm_raises_only_when_asked(mesh, norm_type, enable
                         process_group=dist.group.WORLD)
     params = [torch.nn.Parameter(torch.zeros(5))]
     params[0].grad = _scaled((5,), torch.float32, 39)
-    total = _clip(finite, params, norm_type, error_if_nonfinite=error_if_nonfinite,
-                  sharded=True)
+    total = _clip(finite, params, norm_type, error_if_nonfinite, sharded=True)
     assert math.isfinite(total.item()) and bool(params[0].grad.isfinite().all())
     results = []
     for ours in (True, False):
@@ -209,20 +209,11 @@ def test_a_nonfinite_sharded_norm_raises_only_when_asked(mesh, norm_type, enable
         for i, param in enumerate(params):
             param.grad = _scaled(param.shape, torch.float32, 40 + i) / (1.0 if enabled else SCALE)
         params[-1].grad[-1] = math.inf
-        opt = torch.optim.SGD(params, lr=0.1)
+        scaler = GradScaler("cpu", init_scale=SCALE, backend="reference", enabled=enabled,
+                            process_group=dist.group.WORLD) if ours else \
+            torch.amp.GradScaler("cpu", init_scale=SCALE, enabled=enabled)
         try:
-            if ours:
-                scaler = GradScaler("cpu", init_scale=SCALE, backend="reference",
-                                    enabled=enabled, process_group=dist.group.WORLD)
-                scaler.scale(torch.ones(()))
-                outcome = scaler.clip_grad_norm_(opt, MAX_NORM, norm_type, error_if_nonfinite,
-                                                 sharded=True)
-            else:
-                scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, enabled=enabled)
-                scaler.scale(torch.ones(()))
-                scaler.unscale_(opt)
-                outcome = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, norm_type,
-                                                         error_if_nonfinite)
+            outcome = _clip(scaler, params, norm_type, error_if_nonfinite, sharded=True)
         except RuntimeError as error:
             outcome = str(error)
         results.append((outcome, [p.grad for p in params]))
