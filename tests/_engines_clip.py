@@ -9,9 +9,11 @@ import os
 import torch
 import torch.distributed as dist
 from _engines import (
+    INJECTIONS,
     OVERFLOW_STEPS,
     STEPS,
     _full_params,
+    _local,
     _model,
     _scaler,
     _wrap,
@@ -35,19 +37,30 @@ def _torch_clip(engine, wrapped, scaler, opt, norm_type):
     return total.full_tensor() if hasattr(total, "full_tensor") else total
 
 
-def train_clipped(engine, kind, backend, norm_type, rank):
+def train_clipped(engine, kind, backend, norm_type, injection, rank):
+    """``STEPS`` clipped steps; at ``OVERFLOW_STEPS`` an inf in the loss of the overflowing
+    ranks (the engine's reduction spreads it) or in their own grad shard after the backward
+    (``injection="grad"``: the other ranks' grads stay finite, their norm is the reduced inf,
+    so their clip coefficient is 0; only found_inf's agreement makes them skip too)."""
     wrapped, optimizers = _wrap(engine, _model())
     # one optimizer over every param (ZeRO's: it holds them all, each rank steps its part)
     opt = optimizers[0] if engine == "ddp_zero" else torch.optim.AdamW(wrapped.parameters(),
                                                                        lr=1e-2)
     scaler = _scaler(engine, kind, backend)
     gen = torch.Generator().manual_seed(data_rank(engine, rank) + 1)
-    norms, scales = [], []
+    norms, scales, skipped = [], [], []
+    watched = opt.param_groups[0]["params"]
     for step in range(STEPS):
+        before = [_local(p.detach()).clone() for p in watched]
         loss = wrapped(torch.randn(4, 8, generator=gen)).square().mean()
-        if rank in overflowing_ranks(engine, "loss") and step in OVERFLOW_STEPS:
+        overflow = rank in overflowing_ranks(engine, injection) and step in OVERFLOW_STEPS
+        if overflow and injection == "loss":
             loss = loss * math.inf
         scaler.scale(loss).backward()
+        if overflow and injection == "grad":
+            grad = next(_local(p.grad) for p in wrapped.parameters()
+                        if p.grad is not None and _local(p.grad).numel())
+            grad.view(-1)[-1] = math.inf
         if kind == "torch":
             total = _torch_clip(engine, wrapped, scaler, opt, norm_type)
         else:
@@ -57,7 +70,10 @@ def train_clipped(engine, kind, backend, norm_type, rank):
         scaler.update()
         opt.zero_grad()
         scales.append(scaler.get_scale())
-    return {"norms": norms, "scales": scales, "params": _full_params(engine, wrapped)}
+        if all(torch.equal(a, _local(p.detach())) for a, p in zip(before, watched)):
+            skipped.append(step)
+    return {"norms": norms, "scales": scales, "skipped": skipped,
+            "params": _full_params(engine, wrapped)}
 
 
 def mixed_placements(kind, backend, norm_type, mesh_shape=(2,), stages=False):
@@ -200,9 +216,10 @@ def run_clip_engines(rank, world_size, store_file, backend, out_dir):
         results = {}
         for norm_type in (2.0, math.inf):
             for engine in CLIP_ENGINES:
-                for kind in ("torch", "ours"):
-                    attempt(results, (engine, norm_type, kind), train_clipped, engine, kind,
-                            backend, norm_type, rank)
+                for injection in INJECTIONS:
+                    for kind in ("torch", "ours"):
+                        attempt(results, (engine, norm_type, injection, kind), train_clipped,
+                                engine, kind, backend, norm_type, injection, rank)
             for kind in ("torch", "ours"):
                 results["mixed", norm_type, kind] = mixed_placements(kind, backend, norm_type)
         results["errors"] = _sharded_errors(backend)

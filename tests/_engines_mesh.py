@@ -123,8 +123,9 @@ def run_mesh(rank, world_size, store_file, backend, out_dir):
                     attempt(results, (engine, injection, kind), train, engine, kind, backend,
                             injection, rank)
                 for norm_type in (2.0, math.inf):
-                    attempt(results, (engine, norm_type, kind), train_clipped, engine, kind,
-                            backend, norm_type, rank)
+                    for injection in INJECTIONS:
+                        attempt(results, (engine, norm_type, injection, kind), train_clipped,
+                                engine, kind, backend, norm_type, injection, rank)
             feature_runs(results, engine, backend, rank)
         for norm_type in (2.0, math.inf):
             for kind in ("torch", "ours"):

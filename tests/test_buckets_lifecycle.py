@@ -70,18 +70,29 @@ def test_a_disabled_scaler_leaves_parameters_without_a_gradient_alone(backend, c
     assert _run_both(backend, build, loop, enabled=False)[-2:] == ["ok", [False, True]]
 
 
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "clip_then_step"])
 @pytest.mark.parametrize("zero", ["set_to_none", "buckets"])
-def test_a_step_without_grads_raises_as_torch(backend, zero):
+def test_a_step_without_grads_raises_as_torch(backend, zero, clip):
+    """No grads since the zeroing: ``step`` raises as torch's, also after a clip that saw
+    none (ours fused, torch's ``unscale_`` + ``clip_grad_norm_``: a 0 norm, nothing
+    recorded)."""
     build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(4)),
                                torch.nn.Parameter(torch.randn(3, dtype=torch.float16))])
 
     def loop(params, opt, scaler, zero_grad):
         scaler.scale(params[0].sum() + params[1].float().sum()).backward()
         (opt.zero_grad if zero == "set_to_none" else zero_grad)()
+        norms = []
+        if clip and isinstance(scaler, GradScaler):
+            norms.append(scaler.clip_grad_norm_(opt, 1.0).item())
+        elif clip:
+            scaler.unscale_(opt)
+            norms.append(torch.nn.utils.clip_grad_norm_(
+                [p for p in params if p.grad is not None], 1.0).item())
         step = _outcome(lambda: scaler.step(opt))  # no grads: not even the fp16 error
-        return [step, _outcome(scaler.update)]
+        return [*norms, step, _outcome(scaler.update)]
 
-    assert _run_both(backend, build, loop) == [
+    assert _run_both(backend, build, loop) == [0.0] * clip + [
         "AssertionError: No inf checks were recorded for this optimizer.",
         "AssertionError: No inf checks were recorded prior to update."]
 

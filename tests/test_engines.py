@@ -210,29 +210,34 @@ def _same_norm(ours, theirs, exact):
     return torch.equal(ours, theirs) if exact else abs(ours - theirs) <= 1e-6 * theirs
 
 
+@pytest.mark.parametrize("injection", INJECTIONS)
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 @pytest.mark.parametrize("engine", CLIP_ENGINES + MESH_ENGINES)
-def test_fused_clip_matches_the_engines_own_clip(backend, engine, norm_type, tmp_path_factory):
+def test_fused_clip_matches_the_engines_own_clip(backend, engine, norm_type, injection,
+                                                 tmp_path_factory):
     """DDP: the norm of the rank's own (reduced) grads, as torch's clip; FSDP1: summed over
     the shards, as FSDP.clip_grad_norm_; FSDP2: over the mesh, as torch's clip of DTensors.
     Reference backend: the same norms and parameters, bit for bit (torch's arithmetic; for
     DTensor 2-norms from torch 2.10); Triton: the norm to 1e-6 (its sums run in another
-    order), the same scales and skipped steps."""
+    order), the same scales and skipped steps. ``injection="grad"``: an inf in one rank's
+    own shard after the backward; the other ranks skip only through found_inf's agreement
+    after the fused clip (over the mesh for DTensor grads, over process_group else)."""
     ranks = _clip_engine_results(backend, tmp_path_factory, engine)
     exact = _exact_norm(backend, engine, norm_type)
+    key = engine, norm_type, injection
     for rank, results in enumerate(ranks):
-        theirs, ours = results[engine, norm_type, "torch"], results[engine, norm_type, "ours"]
+        theirs, ours = results[(*key, "torch")], results[(*key, "ours")]
         assert "error" not in theirs, f"torch's run failed on rank {rank}: {theirs}"
         assert "error" not in ours, f"our run failed on rank {rank}: {ours}"
         assert ours["scales"] == theirs["scales"], rank
+        assert ours["skipped"] == theirs["skipped"] == list(OVERFLOW_STEPS), rank
         for step, (a, b) in enumerate(zip(ours["norms"], theirs["norms"])):
             assert _same_norm(a, b, exact), (rank, step, a, b)
         if exact:
             for a, b in zip(ours["params"], theirs["params"]):
                 assert torch.equal(a, b), f"rank {rank}: final parameters differ"
     for r in ranks[1:]:
-        for a, b in zip(ranks[0][engine, norm_type, "ours"]["params"],
-                        r[engine, norm_type, "ours"]["params"]):
+        for a, b in zip(ranks[0][(*key, "ours")]["params"], r[(*key, "ours")]["params"]):
             assert torch.equal(a, b), "the ranks clipped by different norms"
 
 
