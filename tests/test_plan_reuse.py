@@ -103,6 +103,29 @@ def test_plans_reused_for_groups_of_several_dtypes(backend, monkeypatch):
     assert built["plans"] == (3 if backend == "triton" else 0)
 
 
+@pytest.mark.parametrize("empty_dtype", [torch.bfloat16, torch.float64], ids=["bf16", "fp64"])
+def test_a_group_of_one_empty_grad_is_reused(backend, empty_dtype):
+    """A (device, dtype) group whose only grad is empty (a plan without elements) beside a
+    float32 group: reused at the next steps (the fast path looks up its base by the plan's
+    index); an inf in the last float32 grad skips torch's step."""
+    def run(scaler):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, dtype=d)) for n, d in
+                  ((5, torch.float32), (0, empty_dtype), (300, torch.float32))]
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        for step in range(5):
+            opt.zero_grad(set_to_none=False)
+            scaler.scale(sum((p.float() * (i + 1)).square().sum()
+                             for i, p in enumerate(params))).backward()
+            if step == 3:
+                params[-1].grad[-1] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        return scaler.get_scale(), [p.detach().clone() for p in params]
+
+    assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
+
+
 @pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
 @pytest.mark.parametrize("gapped_from", [1, 2, 3])
 @pytest.mark.parametrize("new_list", [False, True], ids=["same_list", "new_list"])
