@@ -104,8 +104,10 @@ def test_has_overflow_backward_and_hooks(backend):
     assert torch.equal(p.grad, torch.full((3,), 32.0))
     flag = scaler.has_overflow([p])
     assert flag.dtype == torch.bool and flag.shape == () and not flag.item()
+    unused = torch.nn.Parameter(torch.ones(2))  # grad None: skipped, as DeepSpeed's check
+    assert not scaler.has_overflow([unused, p]).item()
     p.grad[1] = math.nan
-    assert scaler.has_overflow([p]).item()
+    assert scaler.has_overflow([p]).item() and scaler.has_overflow([p, unused]).item()
     grads = scaler.scale_gradient(None, (torch.ones(2, dtype=torch.half), None), None)
     assert grads[0].dtype == torch.half and grads[0].tolist() == [16.0, 16.0] and grads[1] is None
     assert scaler.scale_loss(torch.tensor(2.0)).item() == 32.0
