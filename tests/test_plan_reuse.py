@@ -18,17 +18,28 @@ from triton_scaler import _stored_plans, kernels
 tensor_guards = _plan_reuse.tensor_guards  # autouse: every test three ways
 
 
-@pytest.mark.parametrize("sizes", [(0, 5, 9), (0, 0, 7, 3), (4, 0, 6)])
-def test_reused_plans_with_empty_grads_first(backend, sizes):
+_F32, _BF16, _F64 = torch.float32, torch.bfloat16, torch.float64
+
+
+@pytest.mark.parametrize("layout", [
+    ((0, _F32), (5, _F32), (9, _F32)), ((0, _F32), (0, _F32), (7, _F32), (3, _F32)),
+    ((4, _F32), (0, _F32), (6, _F32)), ((5, _F32), (0, _BF16), (300, _F32)),
+    ((5, _F32), (0, _F64), (300, _F32))],
+    ids=["empty_first", "two_empty_first", "empty_middle", "empty_bf16_group",
+         "empty_fp64_group"])
+def test_reused_plans_with_empty_grads(backend, layout):
     """A group whose first grads are empty: the launch's base is its first non-empty grad,
-    also when the plan is reused at the next steps (same addresses)."""
+    also when the plan is reused at the next steps (same addresses). A (device, dtype) group
+    whose only grad is empty (a plan without elements) beside a float32 group is reused
+    too (the fast path looks up its base by the plan's index)."""
     def run(scaler):
         torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+        params = [torch.nn.Parameter(torch.randn(n, dtype=dtype)) for n, dtype in layout]
         opt = torch.optim.SGD(params, lr=0.5)
         for step in range(4):
             opt.zero_grad(set_to_none=False)
-            scaler.scale(sum((p * (i + 2)).sum() for i, p in enumerate(params))).backward()
+            scaler.scale(sum((p.float() * (i + 2)).sum()
+                             for i, p in enumerate(params))).backward()
             if step == 2:
                 params[-1].grad[-1] = float("inf")
             scaler.step(opt)
@@ -101,29 +112,6 @@ def test_plans_reused_for_groups_of_several_dtypes(backend, monkeypatch):
     built = count_calls(monkeypatch, kernels, "plan_unscale", key="plans")
     assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
     assert built["plans"] == (3 if backend == "triton" else 0)
-
-
-@pytest.mark.parametrize("empty_dtype", [torch.bfloat16, torch.float64], ids=["bf16", "fp64"])
-def test_a_group_of_one_empty_grad_is_reused(backend, empty_dtype):
-    """A (device, dtype) group whose only grad is empty (a plan without elements) beside a
-    float32 group: reused at the next steps (the fast path looks up its base by the plan's
-    index); an inf in the last float32 grad skips torch's step."""
-    def run(scaler):
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(n, dtype=d)) for n, d in
-                  ((5, torch.float32), (0, empty_dtype), (300, torch.float32))]
-        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-        for step in range(5):
-            opt.zero_grad(set_to_none=False)
-            scaler.scale(sum((p.float() * (i + 1)).square().sum()
-                             for i, p in enumerate(params))).backward()
-            if step == 3:
-                params[-1].grad[-1] = float("inf")
-            scaler.step(opt)
-            scaler.update()
-        return scaler.get_scale(), [p.detach().clone() for p in params]
-
-    assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
 
 
 @pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
