@@ -233,6 +233,11 @@ def test_bad_state_dicts_are_refused_and_change_nothing(change, error, match):
     ((8.0, 0.0, 2.0, 0.5, 1, 1), ScalerArgumentError, "min_scale must be > 0; got 0.0"),
     ((8.0, 16.0, 2.0, 0.5, 1, 1), ScalerArgumentError, "min_scale must be <= initial_scale"),
     ((8.0, 1.0, 1.0, 0.5, 1, 1), ScalerArgumentError, "growth factor must be > 1.0"),
+    ((8.0, 1.0, 1e39, 0.5, 1, 1), ScalerArgumentError,
+     r"growth_factor must be finite in float32 \(Megatron holds it in a float32 tensor\); "
+     r"got 1e\+39"),
+    ((8.0, 1.0, math.inf, 0.5, 1, 1), ScalerArgumentError,
+     "growth_factor must be finite and > 1; got inf"),
     ((8.0, 1.0, 2.0, 1.0, 1, 1), ScalerArgumentError, "backoff factor must be < 1.0"),
     ((8.0, 1.0, 2.0, 0.0, 1, 1), ScalerArgumentError, "backoff_factor must be in"),
     ((8.0, 1.0, 2.0, 0.5, 0, 1), ScalerArgumentError, "growth_interval must be an int >= 1"),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -52,6 +53,16 @@ def _asserted() -> Iterator[None]:
         raise
     except ValueError as error:
         raise ScalerArgumentError(str(error)) from None
+
+
+def _float32_factor(name: str, value: object) -> float:
+    """A factor as Megatron holds it, in a float32 tensor; one past float32's range (which
+    that tensor would hold as inf) raises, naming the value given."""
+    rounded = fp32_value(as_real(name, value))
+    if math.isinf(rounded) and math.isfinite(float(value)):
+        raise ValueError(f"{name} must be finite in float32 (Megatron holds it in a float32 "
+                         f"tensor); got {value!r}")
+    return rounded
 
 
 def _checked_found_inf(found_inf: object) -> FoundInf:
@@ -141,8 +152,8 @@ class DynamicGradScaler(MegatronGradScaler):
                 raise ValueError(f"min_scale must be <= initial_scale; got min_scale="
                                  f"{min_scale!r} > initial_scale={initial_scale!r}")
             self._policy = ScalePolicy.create(dict(
-                growth_factor=fp32_value(as_real("growth_factor", growth_factor)),
-                backoff_factor=fp32_value(as_real("backoff_factor", backoff_factor)),
+                growth_factor=_float32_factor("growth_factor", growth_factor),
+                backoff_factor=_float32_factor("backoff_factor", backoff_factor),
                 growth_interval=growth_interval, hysteresis=hysteresis,
                 min_scale=fp32_value(min_scale)))
         self._init_scale(scale, device, backend)
