@@ -108,6 +108,12 @@ def test_has_overflow_backward_and_hooks(backend):
     assert not scaler.has_overflow([unused, p]).item()
     p.grad[1] = math.nan
     assert scaler.has_overflow([p]).item() and scaler.has_overflow([p, unused]).item()
+    sparse = torch.nn.Parameter(torch.ones(5))  # a sparse grad: its values are checked
+    sparse.grad = torch.sparse_coo_tensor([[1, 3]], [1.0, 2.0], (5,), check_invariants=True)
+    assert not scaler.has_overflow([sparse]).item()
+    sparse.grad = torch.sparse_coo_tensor([[1, 3]], [1.0, math.inf], (5,),
+                                          check_invariants=True)
+    assert scaler.has_overflow([sparse]).item()
     grads = scaler.scale_gradient(None, (torch.ones(2, dtype=torch.half), None), None)
     assert grads[0].dtype == torch.half and grads[0].tolist() == [16.0, 16.0] and grads[1] is None
     assert scaler.scale_loss(torch.tensor(2.0)).item() == 32.0
