@@ -78,6 +78,11 @@ def test_scale_unscale_and_all_finite(backend):
     tiny = torch.tensor([2.0**-20, 2.0**-24], dtype=torch.half)
     assert big.scale(tiny).tolist() == [1.0, 2.0**-4]  # the product in float32, then rounded
     assert not all_finite((x, torch.tensor([math.inf])), backend=backend).item()
+    # a 0-d tensor is one input, not a sequence; no inputs: nothing to unscale
+    assert not all_finite(torch.tensor(math.nan), backend=backend).item()
+    assert all_finite(torch.tensor(1.0), backend=backend).item()
+    assert scaler.unscale(torch.tensor(4096.0)).item() == 4.0
+    assert scaler.unscale(()) == ()
 
 
 def test_managers_configure_grad_scalers():
