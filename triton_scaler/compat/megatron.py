@@ -58,8 +58,9 @@ def _asserted() -> Iterator[None]:
 def _float32_factor(name: str, value: object) -> float:
     """A factor as Megatron holds it, in a float32 tensor; one past float32's range (which
     that tensor would hold as inf) raises, naming the value given."""
-    rounded = fp32_value(as_real(name, value))
-    if math.isinf(rounded) and math.isfinite(float(value)):
+    given = as_real(name, value)
+    rounded = fp32_value(given)
+    if math.isinf(rounded) and math.isfinite(given):
         raise ValueError(f"{name} must be finite in float32 (Megatron holds it in a float32 "
                          f"tensor); got {value!r}")
     return rounded
