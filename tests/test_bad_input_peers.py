@@ -6,6 +6,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from triton_scaler.compat import apex, deepspeed, mindspore
 
@@ -43,6 +44,30 @@ def test_apex_load_state_dict_validates_before_changing(backend):
         with pytest.raises((TypeError, ValueError), match=match):
             amp.load_state_dict({**good, **bad})
         assert amp.state_dict() == good
+
+
+def test_apex_load_state_dict_takes_exactly_its_losses_entries():
+    amp = apex.Amp(num_losses=2)
+    good = amp.state_dict()
+    expected = re.escape("state_dict must have exactly the keys ['loss_scaler0', "
+                         "'loss_scaler1'] (this Amp has 2 losses); got ")
+    for bad in ({"loss_scaler0": good["loss_scaler0"]},  # a loss missing
+                {**good, "loss_scaler2": good["loss_scaler0"]},  # one too many
+                list(good.items()), None):
+        with pytest.raises(ValueError, match=expected):
+            amp.load_state_dict(bad)
+        assert amp.state_dict() == good
+
+
+@pytest.mark.parametrize("loss_id", [2, -1, True, "0", 1.0])
+def test_apex_loss_id_is_an_int_below_num_losses(loss_id):
+    amp = apex.Amp(num_losses=2)
+    message = re.escape(f"loss_id must be in [0, 2); got {loss_id!r}")
+    with pytest.raises(ValueError, match=message):
+        amp.loss_scale(loss_id)
+    with pytest.raises(ValueError, match=message):
+        with amp.scale_loss(torch.ones(()), [], loss_id=loss_id):
+            pass
 
 
 @pytest.mark.parametrize("build, error, match", [

@@ -49,6 +49,10 @@ def test_skip_is_once_and_respects_scheduler_wrappers(backend):
     _iteration(amp, [p], [opt], overflow=False)
     assert not torch.equal(p.detach(), torch.ones(2))
     scheduler.step()
+    plain = torch.optim.SGD([p], lr=0.5)  # no wrapper: its step is the class's again
+    for overflow in (True, False):
+        _iteration(amp, [p], [plain], overflow=overflow)
+        assert "step" not in vars(plain)
 
 
 def test_multiple_losses_delay_unscale_and_state_dict(backend):
