@@ -116,6 +116,24 @@ def _local(grad):
     return grad._local_tensor if hasattr(grad, "_local_tensor") else grad
 
 
+def plant_inf_in_own_grad(wrapped):
+    """An inf at the last element of this rank's first non-empty grad (shard), after the
+    backward: the engine's reduction does not spread it; only found_inf's agreement does."""
+    grad = next(_local(p.grad) for p in wrapped.parameters()
+                if p.grad is not None and _local(p.grad).numel())
+    grad.view(-1)[-1] = math.inf
+
+
+def snapshot(params):
+    """Copies of this rank's (local) parameters, for :func:`unchanged`."""
+    return [_local(p.detach()).clone() for p in params]
+
+
+def unchanged(before, params):
+    """Whether the step left every parameter as :func:`snapshot` saw it (a skipped step)."""
+    return all(torch.equal(a, _local(p.detach())) for a, p in zip(before, params))
+
+
 def _full_params(engine, wrapped):
     if engine.startswith("fsdp2"):
         return [p.full_tensor().detach().clone() for p in wrapped.parameters()]
@@ -167,7 +185,7 @@ def train(engine, kind, backend, injection, rank, settings=None, checkpoint_at=N
     scales, skipped, raised_at, scaled_dtypes = [], [], None, set()
     watched = optimizers[0].param_groups[0]["params"]  # holds the grad that overflows
     for step in range(STEPS):
-        before = [_local(p.detach()).clone() for p in watched]
+        before = snapshot(watched)
         loss = wrapped(torch.randn(4, 8, generator=gen)).square().mean()
         overflow = rank in overflowing_ranks(engine, injection) and step in OVERFLOW_STEPS
         if overflow and injection == "loss":
@@ -176,9 +194,7 @@ def train(engine, kind, backend, injection, rank, settings=None, checkpoint_at=N
         scaled_dtypes.add(str(scaled.dtype))
         scaled.backward()
         if overflow and injection == "grad":
-            grad = next(_local(p.grad) for p in wrapped.parameters()
-                        if p.grad is not None and _local(p.grad).numel())
-            grad.view(-1)[-1] = math.inf
+            plant_inf_in_own_grad(wrapped)
         for opt in optimizers:
             scaler.step(opt)
         try:
@@ -188,8 +204,7 @@ def train(engine, kind, backend, injection, rank, settings=None, checkpoint_at=N
             break
         for opt in optimizers:
             opt.zero_grad()
-        after = [_local(p.detach()) for p in watched]
-        if all(torch.equal(a, b) for a, b in zip(before, after)):
+        if unchanged(before, watched):
             skipped.append(step)
         scales.append(scaler.get_scale())
         if step == checkpoint_at:

@@ -13,12 +13,14 @@ from _engines import (
     OVERFLOW_STEPS,
     STEPS,
     _full_params,
-    _local,
     _model,
     _scaler,
     _wrap,
     data_rank,
     overflowing_ranks,
+    plant_inf_in_own_grad,
+    snapshot,
+    unchanged,
 )
 from _spawn import attempt, init_group
 
@@ -51,16 +53,14 @@ def train_clipped(engine, kind, backend, norm_type, injection, rank):
     norms, scales, skipped = [], [], []
     watched = opt.param_groups[0]["params"]
     for step in range(STEPS):
-        before = [_local(p.detach()).clone() for p in watched]
+        before = snapshot(watched)
         loss = wrapped(torch.randn(4, 8, generator=gen)).square().mean()
         overflow = rank in overflowing_ranks(engine, injection) and step in OVERFLOW_STEPS
         if overflow and injection == "loss":
             loss = loss * math.inf
         scaler.scale(loss).backward()
         if overflow and injection == "grad":
-            grad = next(_local(p.grad) for p in wrapped.parameters()
-                        if p.grad is not None and _local(p.grad).numel())
-            grad.view(-1)[-1] = math.inf
+            plant_inf_in_own_grad(wrapped)
         if kind == "torch":
             total = _torch_clip(engine, wrapped, scaler, opt, norm_type)
         else:
@@ -70,7 +70,7 @@ def train_clipped(engine, kind, backend, norm_type, injection, rank):
         scaler.update()
         opt.zero_grad()
         scales.append(scaler.get_scale())
-        if all(torch.equal(a, _local(p.detach())) for a, p in zip(before, watched)):
+        if unchanged(before, watched):
             skipped.append(step)
     return {"norms": norms, "scales": scales, "skipped": skipped,
             "params": _full_params(engine, wrapped)}
