@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ti
                                 reason="needs bash and coreutils' timeout")
 
 LIMIT_S = 10  # pytest's start and the two quick tests fit well inside it, also under load
+# (in file order: the inner run blocks pytest-randomly, which would run the sleeper first)
 _SLOW_SUITE = """
 import time
 def test_passes(): pass
@@ -31,7 +32,8 @@ def test_a_part_cut_at_its_limit_keeps_its_failures_counts_and_junit_xml(tmp_pat
     out = tmp_path / "out"
     out.mkdir()
     script = (f'out={out}; summary=$out/summary.txt; source benchmarks/_run_part.sh; '
-              f'run_part demo {LIMIT_S} {sys.executable} -m pytest -q -rfEs -p no:cacheprovider {suite} '
+              f'run_part demo {LIMIT_S} {sys.executable} -m pytest -q -rfEs -p no:cacheprovider '
+              f'-p no:randomly {suite} '
               f'--junitxml=$out/demo.xml')
     start = time.monotonic()
     done = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True,
