@@ -24,7 +24,6 @@ class BucketRepairMixin:
     _is_view: Callable[[int, torch.Tensor], bool]
     _in_buffer: Callable[[torch.Tensor], bool]
 
-
     def _written_views_of(self, indices: list[int]) -> list[int]:
         """The parameters among ``indices`` (none received a gradient from autograd) whose
         views hold a value other than zero: DDP with ``find_unused_parameters=True`` writes
