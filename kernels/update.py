@@ -127,7 +127,7 @@ def bind_update_scale(
         raise ValueError(f"found_inf must hold a power-of-two count of contiguous flags; "
                          f"got {n_found}")
     record = skipped is not None
-    if record and skipped.dtype != torch.uint8:
+    if skipped is not None and skipped.dtype != torch.uint8:
         skipped = skipped.view(torch.uint8)  # the kernel writes the flag's byte
     return functools.partial(launch, update_scale_kernel, 1, (
         scale, growth_tracker, found_inf,

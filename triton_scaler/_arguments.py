@@ -4,6 +4,7 @@ live in :mod:`triton_scaler.policy`): device, process group, ``scale()`` outputs
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ class ScaleOutputsError(TypeError, ValueError):
     code written for torch's scaler catches it)."""
 
 
-def check_outputs(outputs: object, where: str = "outputs") -> object:
+def check_outputs(outputs: object, where: str = "outputs") -> torch.Tensor | Iterable[Any]:
     """Validate what ``scale()`` was given, eagerly: a tensor, or lists / tuples / iterables
     of them, nested. Returns ``outputs`` for torch's ``scale``, with each iterable that is not
     a list or tuple materialised (checking consumes it) and handed on as an iterator over its

@@ -49,7 +49,8 @@ def before_backward() -> None:
     place by ``zero_grad(set_to_none=False)``), so they cannot hide an accumulation of this
     backward that made a new grad instead of writing into a view. A shortfall is kept. Host
     only, O(number of buckets)."""
-    for ref in tuple(_live_buckets.data):  # (one C call: other threads may add buckets)
+    # its set of weak references (private): one C call, as other threads may add buckets
+    for ref in tuple(_live_buckets.data):  # type: ignore[attr-defined]
         bucket = ref()
         if bucket is not None:
             bucket.forget_surplus_writes()
@@ -69,7 +70,7 @@ class GradBucket(BucketRepairMixin):
     Anything else takes the per-parameter path, which puts grads back in place.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], on_detach: str) -> None:
+    def __init__(self, params: list[torch.Tensor], on_detach: str) -> None:
         self.params = params
         self.device = params[0].device
         self.dtype = params[0].dtype
@@ -202,7 +203,11 @@ class GradBucket(BucketRepairMixin):
         self.checked()
         if fast:
             return self.param_ids  # the O(1) path: nothing to do
-        detached, quiet, unset, held, dropped = [], [], [], [], []
+        detached: list[int] = []
+        quiet: list[int] = []
+        unset: list[int] = []
+        held: list[int] = []
+        dropped: list[int] = []
         for i, p in enumerate(self.params):
             grad = p.grad
             if grad is not None and self._is_view(i, grad):

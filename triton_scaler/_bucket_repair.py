@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 class BucketRepairMixin:
     """Per-parameter repairs of a bucket's grads. The bucket provides the attributes below."""
 
-    params: list[torch.nn.Parameter]
+    params: list[torch.Tensor]
     buffer: torch.Tensor
     received: dict[int, torch.Tensor]
     _zeroed: set[int]

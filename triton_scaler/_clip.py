@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -27,21 +27,33 @@ from ._norms import combine_partials, grad_norm, reference_total_norm
 from .buckets import attach_bucket_grads, buckets_of
 from .ops import refuse_overlapping_writes
 
+if TYPE_CHECKING:  # a part of GradScaler beside the step and state it uses
+    from ._step import StepMixin as _ScalerStep
+else:
+    _ScalerStep = object
+
+
+def _real_or_str(name: str, value: object) -> numbers.Real | str:
+    """``value`` when it is a real number (not a bool) or a string; ``TypeError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise TypeError(f"{name} must be a number; got {type(value).__name__} {value!r}")
+    return value
+
 
 def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, float]:
     """``(max_norm, norm_type)`` as floats; ``TypeError`` / ``ValueError`` naming them."""
-    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
-        if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
-            raise TypeError(f"{name} must be a number; got {type(value).__name__} {value!r}")
-    norm = math.inf if isinstance(norm_type, str) and norm_type.lower() == "inf" else norm_type
-    if isinstance(max_norm, str) or isinstance(norm, str):
+    max_value = _real_or_str("max_norm", max_norm)
+    norm: float | numbers.Real | str = _real_or_str("norm_type", norm_type)
+    if isinstance(norm, str) and norm.lower() == "inf":
+        norm = math.inf
+    if isinstance(max_value, str) or isinstance(norm, str):
         raise TypeError(f"max_norm must be a number and norm_type a number or 'inf'; got "
                         f"max_norm={max_norm!r}, norm_type={norm_type!r}")
-    if not float(max_norm) >= 0.0:
+    if not float(max_value) >= 0.0:
         raise ValueError(f"max_norm must be a number >= 0 (inf: no clipping); got {max_norm!r}")
     if not float(norm) > 0.0:
         raise ValueError(f"norm_type must be > 0 (2.0, inf, or any p > 0); got {norm_type!r}")
-    return float(max_norm), float(norm)
+    return float(max_value), float(norm)
 
 
 def _norm_entries(params) -> list[tuple[torch.Tensor, MeshLayout | None]]:
@@ -106,8 +118,15 @@ def _raise_nonfinite(norm_type: float) -> None:
         "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
 
 
-class ClipMixin:
+class ClipMixin(_ScalerStep):
     """``clip_grad_norm_`` of :class:`triton_scaler.GradScaler`."""
+
+    if TYPE_CHECKING:  # GradScaler's own
+        _unscales_fp16: bool
+
+        def _overrides_unscale_grads(self) -> bool: ...
+
+        def _ready_to_unscale(self, optimizer: torch.optim.Optimizer, funcname: str) -> dict: ...
 
     @eager_under_compile  # traced, the Triton launches fail
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,

@@ -5,18 +5,22 @@ when a tensor subclass is actually seen."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from ._backend import resolve_backend
 from ._op_args import PLAIN
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 _DTENSOR: type | None = None  # torch.distributed.tensor.DTensor, once imported
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     global _DTENSOR
     if _DTENSOR is None:
         try:
@@ -98,7 +102,7 @@ def add_groups(known: list, groups: tuple[Any, ...]) -> None:
 
 
 def agree_over_meshes(found_inf_by_device: dict[torch.device, torch.Tensor],
-                      groups_by_device: dict[torch.device, tuple[Any, ...]]) -> None:
+                      groups_by_device: Mapping[torch.device, Sequence[Any]]) -> None:
     """MAX all-reduce of each device's found_inf over the mesh groups of its DTensor grads."""
     import torch.distributed as dist
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 from weakref import WeakKeyDictionary
 
 import torch
@@ -124,7 +124,8 @@ class _Layout:
         some parameters are outside gradient buckets and some in them; none otherwise
         (without buckets the layout holds no parameter; GradBuckets fixes its parameters
         when built: rebuild the buckets after replacing a parameter)."""
-        return not self.outside or all(map(operator.is_, _live_params(optimizer), self.params))
+        return not self.outside or all(map(operator.is_, _live_params(optimizer),
+                                           self.params or ()))
 
     def outside_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """The parameters outside gradient buckets, in the optimizer's order: without
@@ -241,7 +242,8 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
     if set(map(type, grads)) != {torch.Tensor}:
         return None
     numels, dtypes = tuple(map(_NUMEL, grads)), tuple(map(_DTYPE, grads))
-    groups, templates = [], []
+    groups: list[GradGroup] = []
+    templates: list[UnscalePlan | None] = []  # None: a plan that cannot be kept
     for device, dtype, pick in layout.plain_groups:
         members = pick(grads)
         # each grad's dtype and device index, then the device itself through the first grad
@@ -258,8 +260,9 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
         groups.append(group)
     stored = None
     if len(templates) == len(groups) and None not in templates:  # reusable: stored
-        stored = StoredPlans(backend, templates, numels, dtypes)
-        if not all(template.contiguous for template in templates):  # strides: the guard's
+        kept = cast("list[UnscalePlan]", templates)
+        stored = StoredPlans(backend, kept, numels, dtypes)
+        if not all(template.contiguous for template in kept):  # strides: the guard's
             stored.guard = tensor_guards(grads)
             stored = stored if stored.guard is not None else None
     if stored is not None:

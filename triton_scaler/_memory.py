@@ -45,7 +45,7 @@ def overlaps(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     return offsets.unique().numel() < offsets.numel()
 
 
-def _offsets(shape, strides, shift: int) -> torch.Tensor:
+def _offsets(shape: tuple[int, ...], strides: tuple[int, ...], shift: int) -> torch.Tensor:
     """Every element's offset, ``shift`` plus its index times the strides, in the tensor's
     order (CPU int64): memory for ``numel`` offsets, not for the span (a column block of a
     large matrix spans the matrix)."""
@@ -82,6 +82,7 @@ def covers(kept: torch.Tensor, alias: torch.Tensor) -> bool:
     no more elements) is one of ``kept``'s: always for two dense tensors; else counted."""
     if is_dense(kept) and is_dense(alias):
         return True
-    hits = torch.isin(_element_offsets(alias, kept.data_ptr()),
-                      _element_offsets(kept, kept.data_ptr()))
+    # both start at kept's address: offsets from it, shift 0
+    hits = torch.isin(_offsets(tuple(alias.shape), alias.stride(), 0),
+                      _offsets(tuple(kept.shape), kept.stride(), 0))
     return torch.equal(hits, torch.ones_like(hits))

@@ -105,10 +105,10 @@ def reference_total_norm(entries: list[tuple[torch.Tensor, Any]], norm_type: flo
             elif not empty:
                 norms.append(grad_norm(grad, norm_type))
     wide = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
-    for items in on_mesh.values():
-        reduced = _reduce_on_mesh([norms[i] for i, _ in items], [lay for _, lay in items],
+    for placed in on_mesh.values():
+        reduced = _reduce_on_mesh([norms[i] for i, _ in placed], [lay for _, lay in placed],
                                   norm_type, wide, device)
-        for k, (i, _) in enumerate(items):
+        for k, (i, _) in enumerate(placed):
             norms[i] = reduced[k]
     rest = torch.linalg.vector_norm(torch.stack([n.to(device, wide) for n in norms]),
                                     norm_type) if norms else None

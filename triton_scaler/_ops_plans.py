@@ -17,12 +17,18 @@ for it. Holds no grad.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from ._backend import triton_kernels
 from ._lru import forget, newest_equal, store_newest
 from ._stored_plans import tensor_guards
+
+if TYPE_CHECKING:
+    from torch._C._dynamo.guards import TensorGuards
+
+    from triton_scaler.kernels.plan import UnscalePlan
 
 _CAPACITY = 8  # grad lists remembered (a loop has one or a few: per model, per optimizer)
 
@@ -35,7 +41,8 @@ class _StoredLaunches:
 
     __slots__ = ("launches", "guard")
 
-    def __init__(self, launches: list[tuple[int, object]], guard: object) -> None:
+    def __init__(self, launches: list[tuple[int, UnscalePlan]], guard: TensorGuards | None
+                 ) -> None:
         self.launches, self.guard = launches, guard
 
 

@@ -4,11 +4,12 @@ tensors, skip signal, state_dict / load_state_dict and pickling. Kept apart from
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
+from ._backend import Backend
 from ._eager import eager_under_compile
 from ._warn import warn_at_caller
 from .policy import FP32_TINY, INT32_MAX, INT32_MIN, ScalePolicy, as_int, check_scale_value
@@ -23,11 +24,17 @@ _INT64_MAX = 2**63 - 1
 FOUND_INF_SLOTS = 8
 
 
+if TYPE_CHECKING:  # the mixins are parts of GradScaler: checked as torch's class, whose
+    _TorchGradScaler = torch.amp.GradScaler  # attributes they use
+else:
+    _TorchGradScaler = object
+
+
 def _key(key: str) -> str:
     return f"state_dict[{key!r}]"
 
 
-def _policy_field(field: str) -> property:
+def _policy_field(field: str) -> Any:  # a property; Any: torch types those it replaces as numbers
     """torch's attribute names (``_growth_factor`` ...) as views of the policy; assigning one
     (torch's own ``__init__`` does) validates and swaps in a new policy."""
 
@@ -40,10 +47,15 @@ def _policy_field(field: str) -> property:
     return property(get, set, doc=f"The policy's ``{field}``.")
 
 
-class ScalerStateMixin:
+class ScalerStateMixin(_TorchGradScaler):
     """State handling shared by GradScaler; expects torch.amp.GradScaler as a later base."""
 
     _policy: ScalePolicy
+    _backend: Backend  # GradScaler's arguments
+    _process_group: Any
+    #: torch's, narrowed: read only once made (the first ``scale()`` or ``unscale_``)
+    _scale: torch.Tensor
+    _growth_tracker: torch.Tensor
     _growth_factor = _policy_field("growth_factor")
     _backoff_factor = _policy_field("backoff_factor")
     _growth_interval = _policy_field("growth_interval")
@@ -66,7 +78,7 @@ class ScalerStateMixin:
 
     @eager_under_compile  # its device tensors and views made eagerly, never traced
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
-        super()._lazy_init_scale_growth_tracker(dev)  # type: ignore[misc]
+        super()._lazy_init_scale_growth_tracker(dev)
         # One buffer: [scale, found_inf flag per optimizer ...]. update() reads and zeroes the
         # flags in its one launch; step() copies scale and a flag to the host in one read.
         buffer = torch.zeros(1 + FOUND_INF_SLOTS, dtype=torch.float32, device=dev)
@@ -168,7 +180,7 @@ class ScalerStateMixin:
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). Synchronises, as torch.
         Warns once if the scale has underflowed (every step would be skipped)."""
-        scale = super().get_scale()  # type: ignore[misc]
+        scale = super().get_scale()
         if self._enabled:
             self._warn_if_underflowed(scale)
         return scale
@@ -205,7 +217,7 @@ class ScalerStateMixin:
     def state_dict(self) -> dict[str, Any]:
         """torch's five keys plus the extension settings, the hysteresis tracker and the
         skipped-step count; ``{}`` when disabled. Synchronises (reads the device state)."""
-        state = super().state_dict()  # type: ignore[misc]
+        state = super().state_dict()
         if not self._enabled:
             return state
         values = {**self._policy.state_items(),
@@ -259,7 +271,7 @@ class ScalerStateMixin:
         self._warned_underflow = False
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()  # type: ignore[misc]
+        state = super().__getstate__()
         if self._enabled:
             state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
             state["_init_skipped_steps"] = self.skipped_steps

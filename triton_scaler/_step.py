@@ -4,13 +4,18 @@ the process group, the plain route's one host read, and the fused-optimizer rout
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from ._eager import eager_under_compile
 from ._warn import warn_at_caller
+
+if TYPE_CHECKING:  # a part of GradScaler beside the state it uses
+    from ._state import ScalerStateMixin as _ScalerState
+else:
+    _ScalerState = object
 
 #: On the optimizer: (its step function, whether that takes ``grad_scaler``).
 _STEP_SIGNATURE_ATTR = "_triton_scaler_step_takes_grad_scaler"
@@ -34,7 +39,7 @@ def _step_takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
     return takes
 
 
-class StepMixin:
+class StepMixin(_ScalerState):
     """``step``'s helpers: the scaler's state lives in :class:`ScalerStateMixin`."""
 
     def _agree_found_inf(self, state: dict[str, Any]):
@@ -123,7 +128,7 @@ class StepMixin:
         if state["found_inf_per_device"] and self._policy.skip_on_overflow:
             optimizer.found_inf = self._agree_found_inf(state)
         else:  # no grads (torch hands the optimizer 0), or steps are never skipped
-            optimizer.found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+            optimizer.found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         retval = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         del optimizer.grad_scale

@@ -13,7 +13,7 @@ import torch
 try:  # one C++ call checking many tensors' types, dtypes, devices, shapes and strides
     from torch._C._dynamo.guards import TensorGuards
 except ImportError:  # pragma: no cover - a torch built without dynamo: Python passes
-    TensorGuards = None
+    TensorGuards = None  # type: ignore[assignment, misc]
 
 if TYPE_CHECKING:
     from triton_scaler.kernels.plan import UnscalePlan
@@ -35,7 +35,7 @@ class StoredPlans:
         self.backend, self.templates, self.numels, self.dtypes = backend, templates, numels, dtypes
         # a TensorGuards over grads the plans fit: those they were made for when some are
         # not contiguous (channels_last), else (built lazily) those of their first reuse
-        self.guard = None
+        self.guard: TensorGuards | None = None
 
     def fit(self, grads: list[torch.Tensor]) -> bool:
         """``grads``, at the addresses the plans were made for, are laid out as the grads
@@ -51,7 +51,7 @@ class StoredPlans:
         return True
 
 
-def tensor_guards(grads: list[torch.Tensor]):
+def tensor_guards(grads: list[torch.Tensor]) -> TensorGuards | None:
     """torch's ``TensorGuards`` over ``grads``, or None (a torch without it, or whose private
     API changed: its keywords are required, without them torch 2.11 - 2.13 crash)."""
     if TensorGuards is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
 
 import torch
 
@@ -18,7 +19,8 @@ def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
     torch_dir = os.path.dirname(torch.__file__)
     inside = (os.path.dirname(__file__) + os.sep, os.path.join(torch_dir, "amp", ""),
               os.path.join(torch_dir, "_dynamo", ""))
-    frame, level = sys._getframe(0), 1
+    frame: FrameType | None = sys._getframe(0)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

@@ -47,11 +47,13 @@ class GradBuckets:
     ) -> None:
         if on_detach not in ("reattach", "warn"):
             raise ValueError(f"on_detach must be 'reattach' or 'warn'; got {on_detach!r}")
-        optimizer = optimizer_or_params if isinstance(optimizer_or_params,
-                                                      torch.optim.Optimizer) else None
-        params = ([p for g in optimizer.param_groups for p in g["params"]] if optimizer
-                  else list(optimizer_or_params))
-        groups: dict[tuple, list[torch.nn.Parameter]] = {}
+        optimizer: torch.optim.Optimizer | None = None
+        if isinstance(optimizer_or_params, torch.optim.Optimizer):
+            optimizer = optimizer_or_params
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+        else:
+            params = list(optimizer_or_params)
+        groups: dict[tuple, list[torch.Tensor]] = {}
         seen: set[int] = set()
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
@@ -106,11 +108,13 @@ class GradBuckets:
         recheck = any(len(b.received) < len(b.params) for b in self.buckets)
         for bucket in self.buckets:
             bucket.zero_()
-        if self._optimizer is not None:
-            for _, _, p in self._params_outside(recheck):  # as torch's zero_grad() leaves
+        optimizer = self._optimizer
+        if optimizer is not None:
+            for _, _, p in self._params_outside(optimizer, recheck):  # as torch's zero_grad() leaves
                 p.grad = None
 
-    def _params_outside(self, recheck: bool) -> list[tuple[int, int, torch.Tensor]]:
+    def _params_outside(self, optimizer: torch.optim.Optimizer,
+                        recheck: bool) -> list[tuple[int, int, torch.Tensor]]:
         """``(group index, index in its list, parameter)`` of each of the optimizer's
         parameters that no bucket holds (frozen when the buckets were built, or added since:
         a new group or list, a parameter replaced in place); found again when the
@@ -118,7 +122,7 @@ class GradBuckets:
         place in its list (replaced in place: one identity check per
         parameter outside the buckets), or on ``recheck`` when one identity pass over the
         parameters sees a bucket's parameter replaced in place."""
-        groups = self._optimizer.param_groups
+        groups = optimizer.param_groups
         known = self._outside
         if known is None or not same_param_lists(known[0], groups) or not all(
                 groups[g]["params"][i] is p for g, i, p in known[2]) or (recheck and not all(

@@ -87,7 +87,7 @@ def compare(device: torch.device, steps: int, fused: bool) -> list[str]:
     """One pair of runs (torch's scaler, triton_scaler) with one optimizer; prints the table
     and returns what differs other than speed."""
     overflow_at = {20, 21, 150}
-    kwargs = dict(init_scale=2.0**24, growth_interval=50)
+    kwargs: dict[str, Any] = dict(init_scale=2.0**24, growth_interval=50)
     backend = "triton" if device.type == "cuda" else "reference"
     print(f"\n== AdamW fused={fused}: {steps} steps on {device}, clipping at norm 1.0 (torch: "
           f"unscale_ + clip_grad_norm_; ours: scaler.clip_grad_norm_), overflows injected at "

@@ -68,12 +68,12 @@ def optimizer_step_uncounted(optimizer: torch.optim.Optimizer, counter: SyncCoun
 
     @contextlib.contextmanager
     def patch() -> Iterator[None]:
-        optimizer.step = wrapped
+        optimizer.step = wrapped  # type: ignore[method-assign]  # (an instance attribute)
         try:
             yield
         finally:
             if had_own_step:
-                optimizer.step = step
+                optimizer.step = step  # type: ignore[method-assign]
             else:
                 del optimizer.step
     return patch()

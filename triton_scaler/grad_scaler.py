@@ -261,6 +261,8 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         if not self._enabled:
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
+        flags = self._flags
+        assert flags is not None  # made with the scale
         self._rezero_written_padding()
         if new_scale is not None:
             if not isinstance(new_scale, torch.Tensor):  # torch's checks for a tensor
@@ -268,7 +270,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
                 scale.fill_(new_scale)
             else:
                 super().update(new_scale)
-            self._flags.zero_()
+            flags.zero_()
             self._reset_iteration()
             return
         states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
@@ -282,7 +284,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
                 torch.maximum(extra, (agreed != 0).float(), out=extra)
         policy = self._policy
         at_min_scale = policy.dynamic and policy.raise_at_min_scale \
-            and self._backs_off_at_min_scale()
+            and self._backs_off_at_min_scale(flags)
         # One launch: combine the flags, record the skip, update the scale, zero the flags.
         self._bound_update(scale, growth_tracker)()
         self._reset_iteration()
@@ -297,24 +299,24 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         """update()'s device work (``ops.bind_scaler_update``), bound once and kept while the
         policy, the backend and each state tensor it uses are the same objects (compared by
         identity: an integrator's new ``_scale`` is seen)."""
-        uses = (self._policy, self._backend, scale, growth_tracker, self._flags,
-                self._hysteresis_tracker_state, self._last_step_skipped_bytes,
-                self._skipped_steps_t, self._params_t)
+        flags, skipped, count = self._flags, self._last_step_skipped_bytes, self._skipped_steps_t
+        uses = (self._policy, self._backend, scale, growth_tracker, flags,
+                self._hysteresis_tracker_state, skipped, count, self._params_t)
         bound = self._update_bound
         if bound is not None and all(map(operator.is_, uses, bound[0])):
             return bound[1]
-        call = ops.bind_scaler_update(scale, growth_tracker, self._flags, self._policy,
+        assert flags is not None and skipped is not None and count is not None  # with the scale
+        call = ops.bind_scaler_update(scale, growth_tracker, flags, self._policy,
                                       hysteresis_tracker=self._hysteresis_tracker_t,
-                                      skipped=self._last_step_skipped_bytes,
-                                      skipped_count=self._skipped_steps_t,
+                                      skipped=skipped, skipped_count=count,
                                       backend=self._backend, params=self._params_t)
         self._update_bound = (uses, call)
         return call
 
-    def _backs_off_at_min_scale(self) -> bool:
+    def _backs_off_at_min_scale(self, flags: torch.Tensor) -> bool:
         """Whether this iteration's overflow backs off with the scale already at
         ``min_scale`` (one host read, documented on ``raise_at_min_scale``)."""
-        backs_off = (self._flags != 0).any()
+        backs_off = (flags != 0).any()
         if self._hysteresis_tracker_t is not None:
             backs_off = backs_off & (self._hysteresis_tracker_t <= 1)
         return bool((backs_off & (self._scale <= self._policy.min_scale)).item())

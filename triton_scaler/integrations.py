@@ -106,12 +106,12 @@ def lightning_precision_plugin(device: str = "cuda", scaler: GradScaler | None =
             try:  # Lightning's own step, with its unscale moved into the clip
                 return super().optimizer_step(optimizer, model, closure_then_defer, **kwargs)
             finally:
-                vars(self.scaler).pop("unscale_", None)
+                self.scaler.__dict__.pop("unscale_", None)
                 self._deferred = None
 
         def _end_deferral(self) -> Any:
             """The optimizer whose unscale was deferred, or None; the deferral ends."""
-            vars(self.scaler).pop("unscale_", None)
+            self.scaler.__dict__.pop("unscale_", None)
             deferred, self._deferred = self._deferred, None
             return deferred
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,8 +34,11 @@ from ._op_args import (
 from ._ops_plans import unscale_planned
 from .policy import ScalePolicy, cached_policy
 
+if TYPE_CHECKING:
+    from ._grads import GradGroup
 
-def _on_triton(group: object, backend: str, device: torch.device) -> bool:
+
+def _on_triton(group: GradGroup | None, backend: str, device: torch.device) -> bool:
     """Whether :func:`unscale_group_` launches the Triton kernel for this group."""
     return (group is not None and group.plan is not None) or \
         resolve_backend(backend, device) == "triton"
@@ -56,7 +60,7 @@ def refuse_overlapping_writes(groups: Sequence, backend: str) -> None:
 
 def unscale_group_(grads: list[torch.Tensor], found_inf: torch.Tensor,
                    inv_scale: torch.Tensor, backend: str, write: bool, *,
-                   from_scale: bool = False, group: object = None) -> None:
+                   from_scale: bool = False, group: GradGroup | None = None) -> None:
     """Unscale (or only check) grads of one device and dtype, with no argument checks: the
     caller (GradScaler, which groups grads as torch does) guarantees them. ``from_scale``:
     ``inv_scale`` is the scale itself, whose reciprocal is formed as torch forms it. ``group``:
@@ -64,9 +68,8 @@ def unscale_group_(grads: list[torch.Tensor], found_inf: torch.Tensor,
     by the caller, which guarantees it matches the grads (a group with a plan is on the
     Triton backend). On the Triton backend ``grads`` may also be their plan."""
     if _on_triton(group, backend, found_inf.device):
-        if group is not None:
-            grads = group.launch_target()
-        triton_kernels().launch_unscale(grads, found_inf, inv_scale, write=write,
+        target = group.launch_target() if group is not None else grads
+        triton_kernels().launch_unscale(target, found_inf, inv_scale, write=write,
                                         inv_from_scale=from_scale)
         return
     if from_scale:

@@ -47,12 +47,12 @@ def _without_aliases(grads: list[torch.Tensor]) -> list[torch.Tensor]:
                                     or g.numel() > largest[address].numel()):
             largest[address] = g
     for g, address in zip(grads, addresses):
-        kept = largest.get(address)  # None for an empty grad
+        kept = largest.get(address) if address is not None else None  # None: an empty grad
         if kept is not None and kept is not g and not covers(kept, g):
             raise RuntimeError(
                 "unsupported operation: two gradients start at the same address but the one "
                 "with more elements does not cover the other's memory (a view with gaps "
-                f"beside another: shapes {tuple(g.shape)} and {tuple(largest[address].shape)}"
+                f"beside another: shapes {tuple(g.shape)} and {tuple(kept.shape)}"
                 "); grads that start at one address are unscaled once: clone() one of them")
     return [g for g in grads if g.numel() == 0] + list(largest.values())
 

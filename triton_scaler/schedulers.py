@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._host_copy import copy_to_host_async
+
+if TYPE_CHECKING:
+    from .grad_scaler import GradScaler
 
 
 class SkipAwareScheduler:
@@ -26,7 +29,7 @@ class SkipAwareScheduler:
             scheduler.step()
     """
 
-    def __init__(self, scheduler: Any, scaler: torch.amp.GradScaler) -> None:
+    def __init__(self, scheduler: Any, scaler: GradScaler) -> None:
         self.scheduler = scheduler
         self.scaler = scaler
         self._pending: deque[tuple[torch.Tensor, Any]] = deque()

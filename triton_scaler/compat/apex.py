@@ -70,7 +70,7 @@ class Amp:
             self._init = check_scale_value("loss_scale", loss_scale)
         self._backend = backend
         self._scalers: list[GradScaler | None] = [None] * self.num_losses
-        self._pending_state: list[dict | None] = [None] * self.num_losses
+        self._pending_state: list[dict[str, Any] | None] = [None] * self.num_losses
         # optimizers whose grads hold a delay_unscale backward's scaled gradients (apex's
         # params_have_scaled_gradients): the next scale_loss does not set them aside
         self._scaled_grads: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -83,8 +83,9 @@ class Amp:
             scaler = GradScaler(device.type, init_scale=self._init, growth_interval=p.growth_interval,
                                 min_scale=p.min_scale, max_scale=p.max_scale, dynamic=p.dynamic,
                                 backend=self._backend)
-            if self._pending_state[loss_id] is not None:
-                scaler.load_state_dict(self._pending_state[loss_id])
+            pending = self._pending_state[loss_id]
+            if pending is not None:
+                scaler.load_state_dict(pending)
                 self._pending_state[loss_id] = None
             self._scalers[loss_id] = scaler
         return scaler
@@ -181,10 +182,11 @@ class Amp:
                            "growth_interval": self._policy.growth_interval,
                            "_growth_tracker": unskipped})
         for i, torch_state in enumerate(states):
-            if self._scalers[i] is None:
+            made = self._scalers[i]
+            if made is None:
                 self._pending_state[i] = torch_state
             else:
-                self._scalers[i].load_state_dict(torch_state)
+                made.load_state_dict(torch_state)
 
 
 def _stash_grads(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -245,21 +247,22 @@ def _skip_next_step_if(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor
     def step(*args, **kwargs):
         _restore_step(optimizer)
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            optimizer.grad_scale, optimizer.found_inf = None, found_inf
+            # torch's fused-optimizer contract: two attributes set for the one step
+            optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
             try:
                 return original(*args, **kwargs)  # skips on the device: no sync
             finally:
-                del optimizer.grad_scale, optimizer.found_inf
+                del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
         if not found_inf.item():  # the one host read of the plain route
             return original(*args, **kwargs)
         return None
 
-    optimizer.step = step
+    optimizer.step = step  # type: ignore[method-assign]  # (an instance attribute)
 
 
 def _restore_step(optimizer: torch.optim.Optimizer) -> None:
     had_own_step, original, _ = optimizer.__dict__.pop(_SKIP_ATTR)
     if had_own_step:
-        optimizer.step = original
+        optimizer.step = original  # type: ignore[method-assign]
     else:
         del optimizer.step
