@@ -9,6 +9,7 @@
   mistake cannot compute."""
 
 import contextlib
+import functools
 import math
 
 import pytest
@@ -120,12 +121,35 @@ def _default_device(device):
         torch.set_default_device(None)
 
 
+@functools.cache
+def _adamw_steps_under_a_default_device() -> bool:
+    """Whether torch's own AdamW (not fused), with no scaler, steps CPU parameters under the "meta"
+    default device: torch 2.11's single-tensor AdamW cannot (it makes its ``step`` counter on
+    the default device and reads it with ``.item()``); torch 2.13's can."""
+    param = torch.nn.Parameter(torch.ones(3, device="cpu"))
+    param.grad = torch.ones(3, device="cpu")
+    with _default_device("meta"):
+        try:
+            torch.optim.AdamW([param], lr=1e-2).step()
+        except RuntimeError:
+            return False
+    return True
+
+
+def _optimizer(params, fused):
+    """AdamW; not fused where torch's own cannot step under a default device (above), SGD
+    with momentum, whose state follows the grads' device."""
+    if fused or _adamw_steps_under_a_default_device():
+        return torch.optim.AdamW(params, lr=1e-2, fused=fused)
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+
+
 def _train(backend, buckets, fused, clip):
     """Five iterations over CPU params (an odd-sized one, the bucket's padding), an inf grad
     in the third, with hysteresis: (scales, the state_dict, params)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, device="cpu")) for n in (7, 1, 33)]
-    opt = torch.optim.AdamW(params, lr=1e-2, fused=fused)
+    opt = _optimizer(params, fused)
     if buckets:
         GradBuckets(opt)
     scaler = GradScaler("cpu", init_scale=2.0**4, growth_interval=2, hysteresis=2,
