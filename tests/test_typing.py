@@ -30,6 +30,14 @@ def _install(target: Path, tmp_path: Path) -> None:
                     str(target), str(src)], check=True, timeout=300)
 
 
+def _installed(distribution: str) -> bool:
+    try:
+        metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     """The package installed as a user installs it, in a folder of its own."""
@@ -38,8 +46,12 @@ def site(tmp_path_factory) -> Path:
         setuptools = metadata.version("setuptools")
     except metadata.PackageNotFoundError:
         pytest.skip("the build needs setuptools")
-    if int(setuptools.split(".")[0]) < 64:  # pyproject.toml's build requirement
+    version = tuple(int(part) for part in setuptools.split(".")[:2] if part.isdigit())
+    if version < (64,):  # pyproject.toml's build requirement
         pytest.skip(f"the build needs setuptools >= 64; found {setuptools}")
+    if version < (70, 1) and not _installed("wheel"):  # bdist_wheel: setuptools' own since 70.1
+        pytest.skip(f"the build needs setuptools >= 70.1 or the wheel package (a new venv's "
+                    f"setuptools {setuptools} has no bdist_wheel): pip install wheel")
     target = tmp_path_factory.mktemp("site")
     _install(target, tmp_path_factory.mktemp("build"))
     assert (target / "triton_scaler" / "py.typed").is_file(), "py.typed is not installed"
