@@ -38,8 +38,13 @@ def _distributed() -> bool:
 
 
 def _storage_refs(t: torch.Tensor) -> int:
-    """How many tensors (TensorImpls) share ``t``'s storage, plus one for the query itself."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    """How many tensors (TensorImpls) share ``t``'s storage, plus one for its Python object,
+    held through the query. A storage has one Python object, counted once, so one held
+    elsewhere (Triton's interpreter leaves one in a reference cycle per launch) changes
+    nothing. (torch 2.8 counts that object only while it lives: read through a temporary, the
+    count would be one lower, and one higher while such a cycle lives, hiding a lost view.)"""
+    storage = t.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata)
 
 
 @eager_under_compile  # (compiled code calling scale(): run eagerly, as the scaler's own work)
