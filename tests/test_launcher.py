@@ -117,7 +117,7 @@ def test_the_launcher_is_called_as_tritons_own_run_calls_it():
 
 def test_the_compiled_launcher_takes_int_pointers_and_no_hooks():
     """The direct call passes each tensor as its address, and None for unset launch hooks:
-    the installed triton's CUDA launcher (its C source: generated in triton 3.6's
+    the installed triton's CUDA launcher (its C source: generated in triton 3.4's and 3.6's
     ``driver.py``, ``driver.c`` in 3.9) takes an int pointer argument as it is, before any
     ``data_ptr`` call or driver query, and calls a hook only when it is not None. A triton
     that changes either fails here, not on a GPU."""
@@ -137,8 +137,10 @@ def test_the_compiled_launcher_takes_int_pointers_and_no_hooks():
         before_data_ptr = body.split("data_ptr")[0]
         assert re.search(r"if \(PyLong_Check\(obj\)\) \{+[^}]*PyLong_AsUnsignedLongLong\(obj\)"
                          r";\s*return", before_data_ptr), body[:400]
-    calls = [re.findall(r"if\s*\(\s*(\w*hook) != Py_None\s*\)\s*\{+\s*PyObject\s*\*\s*ret = "
-                        r"PyObject_CallOneArg\(\1,", source) for source in sources]
+    calls = [re.findall(r"if\s*\(\s*(\w*hook) != Py_None\s*\)\s*\{+\s*(?:PyObject\s*\*\s*args = "
+                        r"Py_BuildValue\([^;]*\);\s*)?PyObject\s*\*\s*ret = "
+                        r"PyObject_Call(?:OneArg|Object)\(\1,", source)  # (3.4: CallObject)
+             for source in sources]
     assert any(calls), "no launch hook call found in triton's CUDA launcher"
 
 

@@ -107,7 +107,14 @@ def _fsdp1_norm(shards, whole, norm_type):
     """``FullyShardedDataParallel.clip_grad_norm_``'s total norm, op for op (its all-reduce a
     no-op here): the sharded grads' float32 norm, its ``p``-th power summed over the group,
     plus that of the grads counted once (``whole``, a norm or None)."""
-    local = _get_grad_norm(shards, norm_type, torch.zeros(()), torch.device("cpu"))
+    try:
+        local = _get_grad_norm(shards, norm_type, torch.zeros(()), torch.device("cpu"))
+    except ValueError as error:  # torch 2.8's refuses mixed dtypes; later ones do not, and
+        if "uniform dtype" not in str(error):  # compute what follows its check, op for op
+            raise
+        local = torch.linalg.vector_norm(torch.stack([
+            torch.linalg.vector_norm(p.grad, norm_type, dtype=torch.float32) for p in shards]),
+            norm_type, dtype=torch.float32)
     if norm_type == math.inf:
         return torch.maximum(local, whole) if whole is not None else local
     total = local**norm_type
