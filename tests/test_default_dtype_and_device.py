@@ -137,8 +137,8 @@ def _adamw_steps_under_a_default_device() -> bool:
 
 
 def _optimizer(params, fused):
-    """AdamW; not fused where torch's own cannot step under a default device (above), SGD
-    with momentum, whose state follows the grads' device."""
+    """AdamW, except where torch's own single-tensor AdamW cannot step under a default
+    device (above): there, not fused, SGD with momentum, whose state follows the grads'."""
     if fused or _adamw_steps_under_a_default_device():
         return torch.optim.AdamW(params, lr=1e-2, fused=fused)
     return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
