@@ -145,9 +145,10 @@ class GradBucket(BucketRepairMixin):
 
     def _is_view(self, i: int, grad: torch.Tensor) -> bool:
         shape, strides, offset = self._layout[i]
-        return (self._in_buffer(grad) and grad.storage_offset() == offset
-                and grad.shape == shape and grad.stride() == strides
-                and grad.dtype == self.dtype)
+        # bool(): in torch 2.14's annotations the offset's comparison is a SymBool (host ints)
+        return bool(self._in_buffer(grad) and grad.storage_offset() == offset
+                    and grad.shape == shape and grad.stride() == strides
+                    and grad.dtype == self.dtype)
 
     def checked(self) -> None:
         """Start counting accumulations and buffer writes afresh (after a check or a fill)."""
