@@ -12,6 +12,7 @@ import random
 
 import torch
 import torch.distributed as dist
+from _seeds import length
 from _spawn import init_group
 from _util import assert_same
 
@@ -217,7 +218,7 @@ def run_seed(seed: int, rank: int, backend: str, engine: str) -> str | None:
     # ours' fused clip is bit-identical to torch's on the reference path (README)
     fused_clip = backend == "reference" and rng.random() < 0.5
     first, kind, comparable = None, "zero_grad", True
-    for number in range(rng.randint(5, 40)):
+    for number in range(length(rng.randint(5, 40))):
         kind, args = _draw(rng, kind, sides[0]["dims"], len(sides[0]["params"]), rank, engine,
                            bool(sides[0]["buckets"]))
         ours, theirs = (_outcome(side, kind, args, fused_clip) for side in sides)

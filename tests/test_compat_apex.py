@@ -88,6 +88,24 @@ def test_static_loss_scale_never_skips(backend):
     assert amp.loss_scale() == 128.0
 
 
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy
+def test_growth_stops_at_the_last_finite_scale(backend):
+    """With ``max_loss_scale=inf`` apex's Python float grows past fp32's maximum; ours stays
+    at the last finite scale (README), the window starts again, and an overflow backs off
+    from it."""
+    amp = Amp(init_scale=2.0**127, max_loss_scale=math.inf, scale_window=1, backend=backend)
+    peer = ApexLossScaler(2.0**127, 1, None, math.inf)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for overflow, theirs, ours in [(False, 2.0**128, 2.0**127), (True, 2.0**127, 2.0**126)]:
+        before = p.detach().clone()
+        _iteration(amp, [p], [opt], overflow)
+        peer.update_scale(overflow)
+        assert torch.equal(p.detach(), before) == overflow
+        assert peer._loss_scale == theirs and amp.loss_scale() == ours
+        assert amp.state_dict()["loss_scaler0"] == {"loss_scale": ours, "unskipped": 0}
+
 @pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize("cleared", ["set_to_none", "zeros", "GradBuckets"])
 @pytest.mark.parametrize("fused", [False, True])

@@ -49,6 +49,23 @@ def test_raises_at_min_scale_like_deepspeed(backend):
         ours.update_scale(True)
 
 
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy
+def test_growth_stops_at_the_last_finite_scale(backend):
+    """The difference that remains (README): DeepSpeed's Python float grows past fp32's
+    maximum; ours stays at the last finite scale, and the next overflow backs off from it."""
+    ours = DynamicLossScaler(2.0**127, 1, 1.0, 1, False, raise_error_at_min_scale=False,
+                             device="cpu", backend=backend)
+    peer = DeepSpeedDynamicLossScaler(2.0**127, 2.0, 1, 1.0, 1, False, False)
+    _drive(ours, peer, [False], False)  # (DeepSpeed's first clean step after none grows not)
+    peer.update_scale(False)
+    ours.update_scale(False)
+    assert peer.cur_scale == 2.0**128 > torch.finfo(torch.float32).max
+    assert ours.loss_scale == 2.0**127 and ours.cur_hysteresis == peer.cur_hysteresis
+    peer.update_scale(True)
+    ours.update_scale(True)
+    assert peer.cur_scale == 2.0**127 and ours.loss_scale == 2.0**126
+
 def _iterations_of(scaler):
     """``iteration(overflow)``: one training iteration under ``scaler``, overflowing or not."""
     p = torch.nn.Parameter(torch.ones(2))

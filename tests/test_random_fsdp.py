@@ -6,15 +6,16 @@ while an inf / NaN reaches only some ranks' shards; both backends (Triton throug
 interpreter)."""
 
 from _random_fsdp import run_random_fsdp
+from _seeds import seeds, time_bound
 from _spawn import spawned_results
 
-SEEDS = {"fsdp2": range(16), "fsdp1": range(10), "ddp": range(10)}
+SEEDS = {"fsdp2": seeds(16), "fsdp1": seeds(10), "ddp": seeds(10)}
 _results: dict = {}
 
 
 def test_random_sequences_on_fsdp2_fsdp1_and_ddp_match_torch(tmp_path_factory):
     results = spawned_results(_results, "random-fsdp", run_random_fsdp, tmp_path_factory,
-                              {engine: list(seeds) for engine, seeds in SEEDS.items()},
-                              timeout_s=300)
+                              {engine: list(drawn) for engine, drawn in SEEDS.items()},
+                              timeout_s=time_bound(300))
     for rank, result in enumerate(results):
         assert result["failures"] == [], f"rank {rank}:\n" + "\n".join(result["failures"])

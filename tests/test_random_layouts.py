@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from _seeds import length, seeds
 from _util import assert_all_same, view_in
 
 from triton_scaler import GradScaler, _stored_plans
@@ -17,8 +18,8 @@ from triton_scaler import GradScaler, _stored_plans
 pytestmark = pytest.mark.filterwarnings(
     "ignore:grad and param do not obey the gradient layout contract")
 
-SEEDS = range(12)
-STEPS = 12
+SEEDS = seeds(12)
+STEPS = length(12)
 SHAPES = [(4, 3, 3, 3), (6, 5, 1, 1), (7,), (5, 9), (2, 2, 3, 5)]
 LAYOUTS = ["contiguous", "channels_last", "gapped", "gapped_channels_last"]
 NON_FINITE = [float("inf"), -float("inf"), float("nan")]

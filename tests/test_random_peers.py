@@ -14,6 +14,7 @@ from _peers import (
     MegatronDynamicGradScaler,
     MindSporeDynamicLossScaler,
 )
+from _seeds import length, seeds
 from _util import assert_all_same, assert_same
 from test_compat_apex import _iteration
 
@@ -23,12 +24,13 @@ from triton_scaler.compat.deepspeed import DynamicLossScaler as DeepSpeedScaler
 from triton_scaler.compat.megatron import DynamicGradScaler as MegatronAdapter
 from triton_scaler.compat.mindspore import DynamicLossScaler
 
-SEEDS = range(12)
+SEEDS = seeds(12)
+FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _flags(rng: random.Random) -> list[bool]:
     p_overflow = rng.choice([0.05, 0.3, 0.7])
-    return [rng.random() < p_overflow for _ in range(rng.randint(1, 80))]
+    return [rng.random() < p_overflow for _ in range(length(rng.randint(1, 80)))]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -46,12 +48,17 @@ def test_apex_amp_follows_apex_over_random_settings(backend, seed):
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1)
     for step, overflow in enumerate(_flags(rng)):
-        before = p.detach().clone()
+        before, last_scale = p.detach().clone(), peer._loss_scale
         _iteration(amp, [p], [opt], overflow)
         peer.update_scale(overflow)
         assert torch.equal(p.detach(), before) == overflow, step
-        assert amp.state_dict()["loss_scaler0"] == {"loss_scale": peer._loss_scale,
-                                                    "unskipped": peer._unskipped}, step
+        # apex's Python float grows past float32's maximum; ours stays (README): then stop
+        past_fp32 = peer._loss_scale > FP32_MAX
+        assert amp.state_dict()["loss_scaler0"] == {
+            "loss_scale": last_scale if past_fp32 else peer._loss_scale,
+            "unskipped": peer._unskipped}, step
+        if past_fp32:
+            break
 
 
 def _amp_model(seed, n_opts):
@@ -75,7 +82,7 @@ def test_apex_amp_losses_over_shared_optimizers_follow_apex(backend, seed):
               backend=backend)
     oracle = ApexAmpOracle(n_losses, amp.loss_scale(), window)
     (ours, ours_opts), (theirs, their_opts) = _amp_model(seed, n_opts), _amp_model(seed, n_opts)
-    for step in range(8):
+    for step in range(length(8)):
         for loss_id in range(n_losses):
             opt_ids = rng.sample(range(n_opts), rng.randint(1, n_opts))
             coefs = [rng.randint(-3, 3) for _ in range(2)]
@@ -127,8 +134,8 @@ def test_mindspore_adjust_follows_mindspore_over_random_settings(backend, seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_hysteresis_follows_megatron_over_random_settings(backend, seed):
-    """Megatron's scale grows to inf (no finiteness check; ours stays finite, README): the
-    initial scales stay far enough below fp32's maximum for that not to happen here."""
+    """Megatron's scale grows to inf (no finiteness check; ours stays at the last finite
+    scale, README): checked where a sequence gets there, which then ends."""
     rng = random.Random(seed)
     min_scale = rng.choice([1.0, 2.0**-5, 2.0**10])
     init = max(rng.choice([2.0**16, 2.0**32, 1.0, 2.0**60]), min_scale)
@@ -143,11 +150,15 @@ def test_hysteresis_follows_megatron_over_random_settings(backend, seed):
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
+        last_scale = peer._scale.item()
         peer.update(overflow)
-        assert scaler.get_scale() == peer._scale.item(), step
+        past_fp32 = math.isinf(peer._scale.item())
+        assert scaler.get_scale() == (last_scale if past_fp32 else peer._scale.item()), step
         assert scaler._get_growth_tracker() == peer._growth_tracker, step
         if hysteresis > 1:  # (with 1, torch's rule: ours keeps no count, Megatron's goes < 0)
             assert scaler.state_dict()["_hysteresis_tracker"] == peer._hysteresis_tracker, step
+        if past_fp32:
+            break
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -180,9 +191,9 @@ def test_megatron_adapter_follows_megatron_over_random_settings(backend, seed):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_deepspeed_scaler_follows_deepspeed_over_random_settings(backend, seed):
     """DeepSpeed's Python-float scale against ours in fp32: every scale here is an exact
-    float32 (the factor is 2) and at most 2**120 (DeepSpeed's float grows past fp32's maximum,
-    ours does not: README), where both must agree bit for bit; the raise at the minimum
-    included."""
+    float32 (the factor is 2), where both must agree bit for bit, until DeepSpeed's float
+    grows past fp32's maximum (ours stays at the last finite scale, README: checked, and the
+    sequence ends there); the raise at the minimum included."""
     rng = random.Random(seed)
     min_scale = rng.choice([1.0, 0.25, 3.0, 2.0**10, 0.0])
     init = max(rng.choice([2.0**16, 2.0**32, 1.0, 3.0 * 2**5, 2.0**40]), min_scale or 1.0)
@@ -193,6 +204,7 @@ def test_deepspeed_scaler_follows_deepspeed_over_random_settings(backend, seed):
     peer = DeepSpeedDynamicLossScaler(init, 2.0, window, min_scale, shift, consecutive, raises)
     for step, overflow in enumerate(_flags(rng)):
         flag = torch.tensor(overflow) if rng.random() < 0.5 else overflow
+        last_scale = peer.cur_scale
         try:
             peer.update_scale(overflow)
         except Exception as error:
@@ -201,5 +213,8 @@ def test_deepspeed_scaler_follows_deepspeed_over_random_settings(backend, seed):
                 ours.update_scale(flag)
             break
         ours.update_scale(flag)
-        assert ours.loss_scale == peer.cur_scale, step
+        past_fp32 = peer.cur_scale > FP32_MAX
+        assert ours.loss_scale == (last_scale if past_fp32 else peer.cur_scale), step
         assert ours.cur_hysteresis == peer.cur_hysteresis, step
+        if past_fp32:
+            break

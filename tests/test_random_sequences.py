@@ -22,13 +22,14 @@ import pytest
 import torch
 from _loops import assert_same_optimizer_state
 from _random_calls import BASE_OPTIMIZERS, OPTIMIZERS, Side, change_grad, draw_call
+from _seeds import length, seeds
 from _util import assert_same
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*no longer views into their GradBucket",
                                         "ignore:.*scale has underflowed")
 
-SEEDS = range(40)
-CALLS = 60
+SEEDS = seeds(40)
+CALLS = length(60)
 
 
 def _draw_extensions(rng: random.Random, init_scale: float) -> dict:
@@ -121,7 +122,7 @@ def test_random_call_sequence_matches_torch(backend, seed):
     _run(rng, setup, seed, Side(setup, seed, backend), Side(setup, seed, None))
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", seeds(20))
 def test_random_call_sequence_with_a_disabled_scaler_matches_torch(backend, seed):
     """``enabled=False`` on both sides: every call is torch's no-op or pass-through, and
     GradBuckets still give grad None where no gradient came."""
@@ -131,7 +132,7 @@ def test_random_call_sequence_with_a_disabled_scaler_matches_torch(backend, seed
     _run(rng, setup, seed, Side(setup, seed, backend), Side(setup, seed, None))
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", seeds(20))
 def test_random_call_sequence_with_more_grad_changes_matches_torch(backend, seed):
     """Grads also changed in place, through ``.data`` / ``set_`` (a GradBucket view object
     over other memory) and by ops (``_random_calls.MORE_GRAD_CHANGES``); every third
