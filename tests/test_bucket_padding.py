@@ -1,6 +1,6 @@
 """A gradient bucket's alignment padding after an unscale by an ``inv_scale`` that is not finite.
 
-A scale of 0, NaN or below 2**-128 (reached by backing off with torch's default
+A scale of 0, NaN or 2**-128 and below (reached by backing off with torch's default
 ``min_scale=0``, or set with ``update(new_scale=tensor)``) has no finite float32 reciprocal:
 the unscale turns the padding's zeros into NaN (0 * inf). The step is skipped either way, but
 a padding left NaN would be found again in every later iteration, also after the user resets

@@ -239,6 +239,37 @@ def test_scale_underflow_warns_once(backend, fused):
     assert underflow[0].filename == __file__  # at the user's line, not inside the scaler
 
 
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_underflowed_scale_skips_every_step_from_2_to_the_minus_128(backend, fused):
+    """What the warning says: at 2**-127 (below float32's normal range) finite grads still
+    step, and the scale grows back; at 2**-128 inv_scale = 1/scale is inf, so a finite grad's
+    product is not finite and every step is skipped (torch's op would step to -inf)."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1, fused=fused)
+    scaler = GradScaler("cpu", init_scale=2.0**-126, growth_interval=2, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _overflowing_step(scaler, p, opt)
+        taken = []
+        for _ in range(2):  # at 2**-127: steps, then grows to 2**-126
+            before = p.detach().clone()
+            scaler.scale(p.sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            taken.append(not torch.equal(p.detach(), before))
+        assert taken == [True, True] and scaler.get_scale() == 2.0**-126
+        for _ in range(2):
+            _overflowing_step(scaler, p, opt)  # 2**-127, 2**-128
+        assert scaler.get_scale() == 2.0**-128
+        before = p.detach().clone()
+        scaler.scale(p.sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert bool(scaler.last_step_skipped) and torch.equal(p.detach(), before)
+    assert scaler.get_scale() == 2.0**-129
+
 def test_the_plain_step_warns_of_an_underflowed_scale_it_reads(backend):
     """The plain route's one host read (found_inf, the scale riding along) warns by itself,
     without a ``get_scale()`` call: at the third step, which reads 2**-127, and once."""

@@ -179,7 +179,8 @@ class ScalerStateMixin(_TorchGradScaler):
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). Synchronises, as torch.
-        Warns once if the scale has underflowed (every step would be skipped)."""
+        Warns once if the scale has underflowed (below 2**-126; from 2**-128 down every step
+        is skipped)."""
         scale = super().get_scale()
         if self._enabled:
             self._warn_if_underflowed(scale)
@@ -192,9 +193,10 @@ class ScalerStateMixin(_TorchGradScaler):
             self._warned_underflow = True
             warn_at_caller(
                 f"The loss scale has underflowed to {scale!r} (below float32's smallest normal "
-                f"{FP32_TINY!r}): inv_scale = 1/scale is inf or overflows the gradients, so every "
-                "step is skipped from now on. Set min_scale (e.g. min_scale=1.0) to floor the "
-                "backoff, and look for the source of the non-finite gradients.",
+                f"{FP32_TINY!r}): the scaled gradients lose precision, and from 2**-128 down "
+                "inv_scale = 1/scale is inf, so every step is skipped and the scale cannot grow "
+                "back. Set min_scale (e.g. min_scale=1.0) to floor the backoff, and look for the "
+                "source of the non-finite gradients.",
                 RuntimeWarning)
 
     def set_growth_factor(self, new_factor: float) -> None:

@@ -68,7 +68,7 @@ class StepMixin(_ScalerState):
     def _note_written_padding(self, optimizer: torch.optim.Optimizer, groups: list) -> None:
         """Remember the gradient buckets an unscale wrote in this iteration. A bucket's
         alignment padding (zeros, in no grad) times an ``inv_scale`` that is not finite (a
-        scale of 0, NaN, or below 2**-128, where its float32 reciprocal overflows) becomes
+        scale of 0, NaN, or 2**-128 and below, where its float32 reciprocal overflows) becomes
         NaN, and every later iteration would find it: ``update()`` zeroes the padding again
         (:meth:`_rezero_written_padding`), unless the plain route's host read saw no
         overflow (then ``inv_scale`` was finite and the padding is still zero: no launch)."""
