@@ -12,7 +12,7 @@ without editing a test::
 - ``TRITON_SCALER_LENGTH_FACTOR``: an int >= 1, the calls' / steps' multiplier per seed
   (default 1); the distributed tests' time bound grows with both factors.
 
-A failing seed is rerun alone with the same variables and ``-k``, e.g. ``-k "[1234]"``.
+A failing seed is rerun alone with the same variables and ``-k``, e.g. ``-k 1234``.
 """
 
 from __future__ import annotations
