@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+#: each variable's default, which is also its smallest value
 _DEFAULTS = {"TRITON_SCALER_SEED_BASE": 0, "TRITON_SCALER_SEED_FACTOR": 1,
              "TRITON_SCALER_LENGTH_FACTOR": 1}
 
@@ -29,13 +30,12 @@ def _setting(name: str) -> int:
     text = os.environ.get(name, "").strip()
     if not text:
         return default
-    lowest = 0 if name == "TRITON_SCALER_SEED_BASE" else 1
     try:
         value = int(text)
     except ValueError:
         value = None
-    if value is None or value < lowest:
-        raise ValueError(f"{name} must be an int >= {lowest} (default {default}); got {text!r}")
+    if value is None or value < default:
+        raise ValueError(f"{name} must be an int >= {default} (its default); got {text!r}")
     return value
 
 
