@@ -26,8 +26,8 @@ from triton_scaler.compat.mindspore import DynamicLossScaler
 
 SEEDS = seeds(12)
 FP32_MAX = float(torch.finfo(torch.float32).max)
-#: below float32's normal range a scale's reciprocal may overflow, so the non-finite products
-#: skip every step (README); the peers' Python floats go on: a sequence ends there
+#: below float32's normal range our fp32 scale loses bits and from 2**-128 down its reciprocal
+#: is inf, so every step is skipped (README); the peers' Python floats go on: a sequence ends
 FP32_TINY = float(torch.finfo(torch.float32).tiny)
 
 
