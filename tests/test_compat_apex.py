@@ -88,7 +88,6 @@ def test_static_loss_scale_never_skips(backend):
     assert amp.loss_scale() == 128.0
 
 
-
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy
 def test_growth_stops_at_the_last_finite_scale(backend):
     """With ``max_loss_scale=inf`` apex's Python float grows past fp32's maximum; ours stays
@@ -105,6 +104,7 @@ def test_growth_stops_at_the_last_finite_scale(backend):
         assert torch.equal(p.detach(), before) == overflow
         assert peer._loss_scale == theirs and amp.loss_scale() == ours
         assert amp.state_dict()["loss_scaler0"] == {"loss_scale": ours, "unskipped": 0}
+
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize("cleared", ["set_to_none", "zeros", "GradBuckets"])

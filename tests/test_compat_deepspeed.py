@@ -49,7 +49,6 @@ def test_raises_at_min_scale_like_deepspeed(backend):
         ours.update_scale(True)
 
 
-
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy
 def test_growth_stops_at_the_last_finite_scale(backend):
     """The difference that remains (README): DeepSpeed's Python float grows past fp32's
@@ -65,6 +64,7 @@ def test_growth_stops_at_the_last_finite_scale(backend):
     peer.update_scale(True)
     ours.update_scale(True)
     assert peer.cur_scale == 2.0**127 and ours.loss_scale == 2.0**126
+
 
 def _iterations_of(scaler):
     """``iteration(overflow)``: one training iteration under ``scaler``, overflowing or not."""

@@ -213,8 +213,8 @@ def test_mindspore_adjust_rejects_non_bool_flags(backend, flag):
 
 
 # ------------------------------------------------------------ 7. scale underflow
-def _overflowing_step(scaler, p, opt):
-    scaler.scale(p.sum() * math.inf).backward()
+def _overflowing_step(scaler, p, opt, factor=math.inf):
+    scaler.scale(p.sum() * factor).backward()
     scaler.step(opt)
     scaler.update()
     opt.zero_grad()
@@ -239,7 +239,6 @@ def test_scale_underflow_warns_once(backend, fused):
     assert underflow[0].filename == __file__  # at the user's line, not inside the scaler
 
 
-
 @pytest.mark.parametrize("fused", [False, True])
 def test_an_underflowed_scale_skips_every_step_from_2_to_the_minus_128(backend, fused):
     """What the warning says: at 2**-127 (below float32's normal range) finite grads still
@@ -254,21 +253,17 @@ def test_an_underflowed_scale_skips_every_step_from_2_to_the_minus_128(backend, 
         taken = []
         for _ in range(2):  # at 2**-127: steps, then grows to 2**-126
             before = p.detach().clone()
-            scaler.scale(p.sum()).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+            _overflowing_step(scaler, p, opt, factor=1.0)  # finite grads
             taken.append(not torch.equal(p.detach(), before))
         assert taken == [True, True] and scaler.get_scale() == 2.0**-126
         for _ in range(2):
             _overflowing_step(scaler, p, opt)  # 2**-127, 2**-128
         assert scaler.get_scale() == 2.0**-128
         before = p.detach().clone()
-        scaler.scale(p.sum()).backward()
-        scaler.step(opt)
-        scaler.update()
+        _overflowing_step(scaler, p, opt, factor=1.0)
     assert bool(scaler.last_step_skipped) and torch.equal(p.detach(), before)
     assert scaler.get_scale() == 2.0**-129
+
 
 def test_the_plain_step_warns_of_an_underflowed_scale_it_reads(backend):
     """The plain route's one host read (found_inf, the scale riding along) warns by itself,
