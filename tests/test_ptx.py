@@ -15,7 +15,7 @@ pytest.importorskip("triton.backends.nvidia")
 @pytest.fixture(scope="module")
 def ptx_facts():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    probe = Path(__file__).with_name("_ptx_probe.py")
+    probe = Path(__file__).with_name("_compile_probe.py")
     out = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True,
                          timeout=600)
     if out.returncode != 0:

@@ -1,6 +1,9 @@
-"""Compile every kernel variant for an H100 (sm_90) without a GPU and print facts about the
-generated PTX and, where Triton ships ``cuobjdump``, about the SASS ptxas made of it, as JSON.
-Run in a subprocess by test_ptx.py: it needs TRITON_INTERPRET unset."""
+"""Compile every kernel variant without a GPU, for an H100 (``sm_90``, the default) or an AMD
+Instinct GPU (``gfx942``: MI300, ``gfx90a``: MI200), and print facts about the generated code
+as JSON: for NVIDIA the PTX's instructions and, where Triton ships ``cuobjdump``, the SASS
+ptxas made of it; for AMD the AMDGCN's instructions and its register and spill counts. Run in
+a subprocess by test_ptx.py and test_amdgcn.py (``python _compile_probe.py [TARGET]``): it
+needs TRITON_INTERPRET unset."""
 
 import json
 import os
@@ -14,6 +17,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
 
 import triton  # noqa: E402
 import triton.backends.nvidia  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton_scaler.kernels.unscale import (  # noqa: E402
@@ -24,7 +28,10 @@ from triton_scaler.kernels.unscale import (  # noqa: E402
 )
 from triton_scaler.kernels.update import update_scale_kernel  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
+#: what each target's facts are about; AMD's wavefronts are 64 threads
+TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64),
+           "gfx90a": GPUTarget("hip", "gfx90a", 64)}
+TARGET = TARGETS["sm_90"]  # set by main()
 CUOBJDUMP = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
 
 
@@ -37,16 +44,72 @@ def _instructions(ptx):
     return sorted(ops)
 
 
-def _compile(fn, signature, constexprs, attrs, num_warps):
+def _amd_instructions(amdgcn: str) -> list[str]:
+    """``AMD:<mnemonic>`` of each instruction (an indented lower-case word: directives start
+    with a dot, labels are not indented)."""
+    return [f"AMD:{op}" for op in sorted(set(re.findall(r"^\s+([a-z][a-z0-9_]*)\b", amdgcn,
+                                                          re.M)))]
+
+
+_AMD_FMA = re.compile(r"^\s+(v_(?:pk_)?(?:fma|fmac|mad|mac)\w*)\s+(.*)$", re.M)
+
+
+def _amd_fused_adds(amdgcn: str) -> list[str]:
+    """``FUSED_ADD:<n>``: the fused multiply-adds whose addend is not a zero, and
+    ``PLUS_ZERO_ADD:<n>``: those whose addend is +0. LLVM writes a multiply whose operand is
+    converted from float16 (or whose product is rounded to it) as a mixed-precision fma with
+    a zero addend, which rounds the product once, as a multiply does; with ``-0`` (``neg(0)``)
+    it is that multiply, with ``+0`` a product of -0 comes out +0. A real addend is a
+    contraction, or one of an IEEE division's steps."""
+    fused = plus_zero = 0
+    for op, operands in _AMD_FMA.findall(amdgcn):
+        fourth = re.match(r"(?:[^,\s]+,\s*){3}([^,\s]+)", operands)  # dst, a, b, c, modifiers
+        addend = fourth[1] if fourth else operands
+        if op.startswith(("v_fmac", "v_mac")) or addend not in ("0", "neg(0)", "-0"):
+            fused += 1  # (the accumulating forms add their destination)
+        elif addend == "0":
+            plus_zero += 1
+    return [f"FUSED_ADD:{fused}", f"PLUS_ZERO_ADD:{plus_zero}"]
+
+
+def _amd_resources(amdgcn: str) -> list[str]:
+    """``VGPR:<n>``, ``AGPR:<n>``, ``SGPR:<n>``, their spills, the scratch bytes a thread and
+    the float32 / float16-float64 denormal modes (3: kept on input and output), from the
+    kernel's metadata and descriptor."""
+    facts = []
+    for fact, key in (("VGPR", r"\.vgpr_count:"), ("AGPR", r"\.agpr_count:"),
+                      ("SGPR", r"\.sgpr_count:"), ("VGPR_SPILL", r"\.vgpr_spill_count:"),
+                      ("SGPR_SPILL", r"\.sgpr_spill_count:"),
+                      ("SCRATCH", r"\.private_segment_fixed_size:"),
+                      ("DENORM32", r"\.amdhsa_float_denorm_mode_32"),
+                      ("DENORM16_64", r"\.amdhsa_float_denorm_mode_16_64")):
+        found = re.search(rf"^\s*{key}\s+(\d+)", amdgcn, re.M)
+        facts.append(f"{fact}:{found[1] if found else 'missing'}")
+    return facts
+
+
+def _compile(fn, signature, constexprs, attrs, num_warps, fp_fusion=False):
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps,
-                                                          "enable_fp_fusion": False})
-    ops = _instructions(kernel.asm["ptx"])
+                                                          "enable_fp_fusion": fp_fusion})
+    if TARGET.backend == "hip":
+        amdgcn = kernel.asm["amdgcn"]
+        ops = _amd_instructions(amdgcn) + _amd_resources(amdgcn) + _amd_fused_adds(amdgcn)
+    else:
+        ops = _instructions(kernel.asm["ptx"]) + _sass_facts(kernel.asm["cubin"])
     if "tt.get_program_id" in kernel.asm["ttir"]:  # offsets must be 64-bit: >2**31 elements
         pid_line = re.search(r"(%\S+) = tt.get_program_id", kernel.asm["ttir"]).group(1)
         widened = re.search(rf"arith.extsi {re.escape(pid_line)} : i32 to i64", kernel.asm["ttir"])
         ops.append("TTIR:program_id_widened_to_i64" if widened else "TTIR:program_id_i32")
-    return ops + _sass_facts(kernel.asm["cubin"]) + [f"WARPS:{num_warps}"]
+    return ops + [f"WARPS:{num_warps}"]
+
+
+@triton.jit
+def _multiply_add(x_ptr, BLOCK: tl.constexpr):
+    """Not a scaler kernel: ``x * x + 1`` in place, for the probe's control."""
+    ptrs = x_ptr + tl.arange(0, BLOCK)
+    x = tl.load(ptrs)
+    tl.store(ptrs, x * x + 1.0)
 
 
 def _sass_facts(cubin: bytes) -> list[str]:
@@ -75,6 +138,8 @@ def _unscale_signature(dtype):
 
 
 def main():
+    global TARGET
+    TARGET = TARGETS[sys.argv[1] if len(sys.argv) > 1 else "sm_90"]
     facts = {}
     names = list(unscale_kernel.arg_names)
     # what triton's launcher specialises for a 16-byte aligned pointer / a size % 16 == 0
@@ -121,6 +186,10 @@ def main():
                 {"N_FOUND": 8 if scaler else 1, "HAS_HYSTERESIS": hysteresis,
                  "CONSECUTIVE_HYSTERESIS": False, "DYNAMIC": True, "RECORD_SKIP": scaler,
                  "RESET_FOUND": scaler}, {}, 1)
+    if TARGET.backend == "hip":  # what FUSED_ADD sees of a contraction: x * x + 1, fused
+        facts["control/fp32/fused_multiply_add"] = _compile(
+            _multiply_add, {"x_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 1024}, {},
+            GPU_NUM_WARPS, fp_fusion=True)
     json.dump(facts, sys.stdout)
 
 
