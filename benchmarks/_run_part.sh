@@ -5,9 +5,11 @@ run_part() {  # name, seconds, command...
   local name=$1 limit=$2
   shift 2
   local start=$SECONDS
-  # SIGINT, not timeout's default SIGTERM: pytest then stops like Ctrl-C, printing its failures
-  # so far and writing its junit XML (SIGTERM leaves neither); a kill 20 s later if it hangs
-  timeout -s INT -k 20 "$limit" "$@" > "$out/$name.log" 2>&1
+  # at the limit one SIGINT to the command's process group, not SIGTERM: pytest then stops
+  # like Ctrl-C, printing its failures so far and writing its junit XML (SIGTERM leaves
+  # neither; coreutils' timeout sends SIGINT twice, see _run_limited.py); a kill 20 s later
+  # if it hangs; exit 124 when cut
+  python "$(dirname "${BASH_SOURCE[0]}")/_run_limited.py" "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   echo "[$name] exit $rc after $((SECONDS - start)) s (limit $limit s): $(tail -n 1 "$out/$name.log")" \
     | tee -a "$summary"

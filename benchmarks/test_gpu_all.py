@@ -13,8 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
-                                reason="needs bash and coreutils' timeout")
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("python") is None,
+                                reason="needs bash, and python on PATH (as gpu_all.sh)")
 
 LIMIT_S = 10  # pytest's start and the two quick tests fit well inside it, also under load
 # (in file order: the inner run blocks pytest-randomly, which would run the sleeper first)
@@ -55,3 +55,47 @@ def test_every_pytest_run_of_the_gpu_scripts_lists_failures(script):
     for line in runs:
         report = re.search(r" -r(\w+)", line)  # none: pytest's default, "fE"
         assert report is None or {"f", "E"} <= set(report.group(1)), line
+
+
+def _run_limited():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _run_limited
+    finally:
+        sys.path.pop(0)
+    return _run_limited
+
+
+_COUNT_SIGINTS = """
+import signal, sys, time
+seen = []
+signal.signal(signal.SIGINT, lambda *_: seen.append(time.monotonic()))
+while not seen or time.monotonic() - seen[0] < 1.5:  # 1.5 s more after the first
+    time.sleep(0.001)
+print(len(seen))
+"""
+
+
+def test_the_limit_sends_one_sigint_to_the_whole_group_and_exits_124(tmp_path, capfd):
+    """Each process of the command's group (here a shell and its python) gets exactly one
+    SIGINT at the limit; coreutils' timeout sends the command two."""
+    script = tmp_path / "count.py"
+    script.write_text(_COUNT_SIGINTS)
+    status = _run_limited().run_limited(3, ["bash", "-c", f"{sys.executable} {script}; true"])
+    assert status == 124
+    assert capfd.readouterr().out.split() == ["1"]
+
+
+def test_a_command_that_ignores_sigint_is_killed_after_the_grace(monkeypatch):
+    module = _run_limited()
+    monkeypatch.setattr(module, "GRACE_S", 1)
+    start = time.monotonic()
+    status = module.run_limited(1, [sys.executable, "-c", "import signal, time; "
+                                    "signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                                    "time.sleep(60)"])
+    assert status == 124 and time.monotonic() - start < 30
+
+
+def test_a_command_within_its_limit_keeps_its_status():
+    assert _run_limited().run_limited(60, [sys.executable, "-c", "raise SystemExit(3)"]) == 3
+    assert _run_limited().run_limited(60, ["bash", "-c", "kill -TERM $$"]) == 128 + 15
