@@ -67,7 +67,7 @@ def _run_limited():
 
 
 _COUNT_SIGINTS = """
-import signal, sys, time
+import signal, time
 seen = []
 signal.signal(signal.SIGINT, lambda *_: seen.append(time.monotonic()))
 while not seen or time.monotonic() - seen[0] < 1.5:  # 1.5 s more after the first
