@@ -42,6 +42,14 @@ def triton_device():
     pytest.skip("the Triton backend needs TRITON_INTERPRET=1 on CPU, or a CUDA device")
 
 
+@pytest.fixture
+def interpreter():
+    """For a test of the Triton backend on CPU tensors (a CPU device mesh, say): skipped in a
+    GPU run, where TRITON_INTERPRET is not set and the Triton backend refuses CPU tensors."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1")
+
+
 def pytest_addoption(parser):
     parser.addoption("--triton-launch", action="store_true",
                      help="every launch through Triton's kernel[grid], none through the "

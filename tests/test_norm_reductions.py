@@ -161,7 +161,8 @@ def test_sharded_plain_grads_combine_as_fsdp1(mesh, norm_type, with_dtensor_grad
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 @pytest.mark.parametrize("plain_shards", [None, 0, 2], ids=["whole", "no-shard", "2-shards"])
-def test_the_triton_partials_of_each_group_are_summed_once(mesh, norm_type, plain_shards):
+def test_the_triton_partials_of_each_group_are_summed_once(mesh, norm_type, plain_shards,
+                                                           interpreter):
     """Triton backend: one partial (sum of squares, or max) per launch group, the groups
     keyed by the mesh dimensions their grads are sharded on (plain grads: by the scaler's
     process group with ``sharded=True``, a key this rank joins also with no plain grad),
