@@ -15,12 +15,17 @@ import torch  # noqa: E402
 BACKENDS = ["reference", "triton"]
 
 
+def _skip_without_interpreter() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1; see tests/test_gpu.py")
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """Each test using it runs on the reference path and on the Triton kernels (CPU tensors:
     through the interpreter; skipped in a GPU run, where TRITON_INTERPRET is not set)."""
-    if request.param == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1; see tests/test_gpu.py")
+    if request.param == "triton":
+        _skip_without_interpreter()
     return request.param
 
 
@@ -46,8 +51,7 @@ def triton_device():
 def interpreter():
     """For a test of the Triton backend on CPU tensors (a CPU device mesh, say): skipped in a
     GPU run, where TRITON_INTERPRET is not set and the Triton backend refuses CPU tensors."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1")
+    _skip_without_interpreter()
 
 
 def pytest_addoption(parser):

@@ -47,7 +47,7 @@ def test_a_plan_is_cut_in_the_blocks_the_kernel_is_launched_with(triton_device):
 def test_it_writes_by_default_and_returns_nothing(triton_device, dtype):
     """torch's CPU op is the oracle also in a GPU run (its CUDA op has no bfloat16)."""
     grads = _grads([5, 7], dtype, triton_device)
-    expected = [g.cpu() for g in grads]
+    expected = [g.to("cpu", copy=True) for g in grads]  # a copy on the CPU too
     found_expected = torch.zeros(())
     torch._amp_foreach_non_finite_check_and_unscale_(expected, found_expected,
                                                      torch.tensor(0.25))
