@@ -15,8 +15,8 @@ read waits for one kernel over every grad's bytes (at 10,000 parameters of ~4k f
 elements, ~330 MB read and written), which a small size takes away, leaving the host work.
 On CPU (``--device cpu``, the default) the launches are no-ops (``_host_stubs.py``).
 
-The last two rows per size: the first row with its host read as before session 50
-(``EARLY_COPY_CASE``), and the first row's step over 10 parameters timed with the size's
+The last two rows per size: the first row with its host read made early, as an earlier
+version made it (``EARLY_COPY_CASE``), and the first row's step over 10 parameters timed with the size's
 parameters alive beside it (``BESIDE_CASE``, a control for the first row's growth)."""
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ CASES = [("ours, plain, GradBuckets", "ours", {"buckets": True}),
          ("ours, plain, grads same", "ours", {}),
          ("torch, plain, grads same", "torch", {}),
          ("ours, fused, GradBuckets", "ours", {"buckets": True, "fused": True})]
-#: the first row as it ran before session 50 (``early_host_copy``), timed beside it
+#: the first row with the earlier version's host read (``early_host_copy``), timed beside it
 EARLY_COPY_CASE = ("ours, plain, GradBuckets, early host copy", "ours", {"buckets": True})
-#: a control for the first row's growth with the parameters (GPU run 3: 137 us at 1,000, 233
-#: at 10,000, every call 1.6-2.1x, ``scale`` too): the same step over 10 parameters, timed
+#: a control for the first row's growth with the parameters (every call grew 1.6-2.1x
+#: from 10 to 10,000 parameters on an H200, ``scale`` too): the same step over 10 parameters, timed
 #: while the size's parameters (their scaler, GradBuckets, after a step) are alive beside
 #: it. If it keeps the 10-parameter time, the growth is the step's per-parameter work; if it
 #: grows as the first row does, holding the parameters slows every call
@@ -50,7 +50,7 @@ BESIDE_CASE = ("ours, plain, GradBuckets, 10 params, the row's beside", "ours",
 
 @contextlib.contextmanager
 def early_host_copy() -> Iterator[None]:
-    """The plain route's host read as it was before session 50: ``unscale_`` started the copy
+    """The plain route's host read as an earlier version made it: ``unscale_`` started the copy
     of (scale, found_inf) into new pinned host memory with an event (``copy_to_host_async``),
     and ``step`` waited on that event; now ``step`` reads the device tensor (``tolist``).
     Kept to time both in one run; CUDA tensors only (on CPU nothing changes)."""

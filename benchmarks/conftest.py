@@ -3,7 +3,7 @@
 ``TRITON_SCALER_BENCH_SIZES=full`` selects the published sizes; the default ``small`` keeps the
 suites quick enough to run as plain tests in CI (``--benchmark-disable``). On CPU triton_scaler
 runs its reference backend against torch's CPU ops; on CUDA its Triton kernels against torch's
-CUDA ops. Every case is benchmarked as ``impl=torch`` and ``impl=ours`` in the same session;
+CUDA ops. Every case is benchmarked as ``impl=torch`` and ``impl=ours`` in the same pytest run;
 ``benchmarks/plot.py`` turns the saved JSON into GB/s, ratios, tables and plots.
 """
 

@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
-# Issue 11 in one command on a bare GPU machine (torch, triton, pytest, pytest-benchmark; no
+# Every GPU test and figure in one command on a bare GPU machine (torch, triton, pytest, pytest-benchmark; no
 # network). Usage:
 #   bash benchmarks/gpu_all.sh [all|PART[,PART...]] [OUT_DIR]
 #     tests   the GPU tests and the reference tests (tests/run_gpu.sh's first pass; junit XML)
 #     launcher the kernel tests again through Triton's kernel[grid] (run_gpu.sh's second
 #             pass; the first runs with kernels.launcher.DIRECT, the default, on)
-#     bench   benchmarks/gpu_figures.py: the issue's figures (figures.json / figures.md)
+#     bench   benchmarks/gpu_figures.py: the GPU figures (figures.json / figures.md)
 #     profile benchmarks/gpu_profile.py: device against wall time where a figure misses,
 #             benchmarks/_host_wait.py: a step's host time by call, its host read apart, and
 #             benchmarks/_step_timeline.py: one step's ops, CUDA calls and kernels
 #     suite   the pytest-benchmark suites (benchmarks/test_bench_*.py) at full sizes
-#             (suite.json, for benchmarks/plot.py; 67 s on the H200 in run 4)
+#             (suite.json, for benchmarks/plot.py; 67 s on an H200)
 #     all     tests, launcher, bench, profile, then suite (default): about 390 s on the H200
-#             (run 4: 317 s without the suite), inside one call of a 15-minute device budget
-# Everything goes under OUT_DIR (default: $OUT when set, else benchmarks/results/gpu; the device
-# tool handed back 8 of 17 files from $OUT in session 50: give a folder under /tmp, then put an
-# archive of it in $OUT), with
+#             (317 s without the suite)
+# Everything goes under OUT_DIR (default: $OUT when set, else benchmarks/results/gpu; on a machine
+# that hands back only a few files, give a folder under /tmp and archive it), with
 # summary.txt: device, versions, date and each part's outcome (failed tests listed). Each part
 # has a time limit (a part cut there keeps its failures so far, counts and junit XML) and a
 # failing part does not stop the next, so a part can be re-run alone. Plots need matplotlib:
@@ -90,14 +89,14 @@ if wants bench; then
 fi
 if wants profile; then
   run_part profile 60 python benchmarks/gpu_profile.py --out "$out"
-  # where a plain step's host time goes: its four calls and its one host read (issue 15)
+  # where a plain step's host time goes: its four calls and its one host read
   run_part host_wait 90 python benchmarks/_host_wait.py --device cuda 10 1000 10000
   grep "^|" "$out/host_wait.log" >> "$summary"
   # the same 10,000 parameters of ~16 elements: the bucket's kernel (~330 MB at ~4k) then
   # takes a few us, so what the plain GradBuckets row keeps is host work, not a wait for it
   run_part host_wait_small 60 python benchmarks/_host_wait.py --device cuda --numel 16 10000
   grep "^|" "$out/host_wait_small.log" >> "$summary"
-  # and inside one step, from torch.profiler: its ops, CUDA calls and kernels (issue 15's
+  # and inside one step, from torch.profiler: its ops, CUDA calls and kernels (the
   # plain GradBuckets row at 10,000 parameters, against 1,000, 10 and the fused route)
   run_part timeline 120 bash -c 'for run in "10000 plain" "1000 plain" "10 plain" "10000 fused"; do
       set -- $run

@@ -1,4 +1,4 @@
-"""Issue 11's GPU figures in one run, each against torch measured in the same run.
+"""The GPU figures in one run, each against torch measured in the same run.
 
     python benchmarks/gpu_figures.py --out DIR           # on the GPU: DIR/figures.json, .md
     python benchmarks/gpu_figures.py --plot DIR          # anywhere with matplotlib: DIR/*.png
@@ -124,8 +124,7 @@ def _direct_launches(on: bool):
 def launch_row(device: torch.device, smoke: bool) -> dict:
     """Host microseconds per call, the GPU not waited for: torch's foreach op, our public op
     and our launcher with a prepared plan, each over one 1024-element fp32 tensor; ours
-    through Triton's launcher and (``direct``, the default) through the compiled kernel's.
-    (Until session 40 the public op was timed only through Triton's launcher.)"""
+    through Triton's launcher and (``direct``, the default) through the compiled kernel's."""
     from triton_scaler.kernels import launch_unscale, plan_unscale
 
     from triton_scaler import ops

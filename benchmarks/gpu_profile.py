@@ -1,4 +1,4 @@
-"""Where the time goes in the cases where issue 11's GPU figures miss a target: device time
+"""Where the time goes in the cases where a GPU figure of gpu_figures.py is host-bound: device time
 (the kernels' own, from ``torch.profiler``) against wall time per call, in one run.
 
     python benchmarks/gpu_profile.py --out DIR     # on the GPU: DIR/profile.txt

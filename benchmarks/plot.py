@@ -5,7 +5,7 @@
 writes ``benchmarks/results/<label>_tables.md`` and ``<label>_bucket.png``,
 ``<label>_many.png``, ``<label>_ratio.png``. Needs matplotlib (the ``benchmark`` extra).
 GB/s = bytes read + written / median time. ratio = torch median / triton_scaler median
-(> 1: triton_scaler is faster), both measured in the same session.
+(> 1: triton_scaler is faster), both measured in the same run.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def load(path: Path) -> tuple[dict, dict, dict, dict]:
 
 def host_table(host: dict) -> str:
     """The host-cost rows (``_host_cost.PAIRS``: ours against torch's nearest case), each
-    scaler timed in its own test of the same session."""
+    scaler timed in its own test of the same run."""
     from _host_cost import PAIRS, label
 
     lines = ["| params | case | host layout | ours us | torch us | ours / torch | ours kernels |",
@@ -58,7 +58,7 @@ def host_table(host: dict) -> str:
 
 def ops_table(ops: dict) -> str:
     """One ``ops.non_finite_check_and_unscale_`` call's host time, with the plans the ops
-    keep between calls and without (``_ops_host_cost.py``), each its own test of one session."""
+    keep between calls and without (``_ops_host_cost.py``), each its own test of one run."""
     lines = ["| grads | grads between calls | plans kept us | plans not kept us | kept / not kept |",
              "|---|---|---|---|---|"]
     for (n, grads), by_kept in sorted(ops.items()):

@@ -97,7 +97,7 @@ def test_the_dtensor_host_cost_script_prints_its_table():
 
 def test_the_host_wait_script_prints_its_table(capsys, monkeypatch):
     """``_host_wait.py`` (a plain step's time in its parts and its one host read; RESULTS.md's
-    GPU run 2) runs with no-op launches on CPU and prints a row per case; its timers count a
+    host-time table) runs with no-op launches on CPU and prints a row per case; its timers count a
     nested call of the same phase once and put every method back."""
     import _host_wait
     from _host_wait import BESIDE_CASE, CASES, EARLY_COPY_CASE, READS, _phases, main, timed_calls
@@ -159,7 +159,7 @@ def test_the_host_wait_script_takes_the_parameters_size(capsys):
 
 def test_the_step_timeline_script_prints_a_step(capsys):
     """``_step_timeline.py`` (one step's host ops, runtime calls and kernels from
-    ``torch.profiler``, for the next GPU run: issue 15's plain GradBuckets row) runs with
+    ``torch.profiler``, on a GPU: the plain GradBuckets row at 10,000 parameters) runs with
     no-op launches on CPU: the scale's multiply is in the step, and the stretches between
     ops cover the rest of it."""
     from _step_timeline import main

@@ -1,4 +1,4 @@
-"""gpu_all.sh's part runner on CPU: a GPU session is short, so a part that runs past its limit
+"""gpu_all.sh's part runner on CPU: GPU time is short, so a part that runs past its limit
 must still leave which tests failed, the counts so far and its junit XML; and every pytest run
 of the GPU scripts must list failed tests in its summary (an ``-r`` option keeps ``f`` and ``E``)."""
 

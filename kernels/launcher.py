@@ -11,26 +11,19 @@ that compiled kernel's launcher itself, as ``JITFunction.run`` ends (triton 3.4 
 ``kernel.run(grid..., stream, kernel.function, kernel.packed_metadata, launch_metadata,
 enter_hook, exit_hook, *args)``, but with each tensor argument given as its address (already
 read for the key), which the compiled launcher takes as it is: no ``data_ptr`` call and no
-``cuPointerGetAttribute`` per tensor (read from triton 3.6's and 3.9's launchers; not yet
-timed on a GPU); and the launch hooks and their metadata (made from the tensors, as Triton
+``cuPointerGetAttribute`` per tensor (as triton 3.6's to 3.9's launchers take them); and the
+launch hooks and their metadata (made from the tensors, as Triton
 makes it) passed only when a hook is set, not Triton's empty hook chains and a dict per
-launch. Triton's ``pre_run_hooks`` do not run, and knobs that change compilation
-(``knobs.runtime.debug``, instrumentation) are not watched: :func:`clear` after changing
-them. Any other launch goes through ``kernel[grid]``.
+launch. Any other launch goes through ``kernel[grid]``.
 
-On by default since the first GPU run (2026-11-26, H200, torch 2.11, triton 3.6.0): the
-kernel tests passed with it on (305 passed, none failed; then the whole GPU suite with it as
-the default, 1373 passed), and one launch cost 14.3 host
-microseconds against 22.0 through ``kernel[grid]`` (``launch`` row of
-``benchmarks/gpu_figures.py``); a small model's whole step went from 1.27x torch's host time
-to 1.05x. The second GPU run (same versions, a slower host): 1503 GPU tests passed with it on,
-314 kernel tests through ``kernel[grid]``; one launch 22.9 against 34.8 microseconds.
-Triton 3.9's ``JITFunction.run`` ends with the same call (read from its source; no GPU run
-with 3.9 yet). ``DIRECT = False`` sends every launch through ``kernel[grid]``;
-``tests/run_gpu.sh`` and ``benchmarks/gpu_all.sh`` run the kernel tests both ways. Under
-the interpreter ``kernel[grid]`` returns no compiled kernel and every launch goes through it;
-on ROCm too (its specialisation also depends on each tensor's storage size, which the key
-leaves out).
+Limits: Triton's ``pre_run_hooks`` do not run on the direct path, and knobs that change
+compilation (``knobs.runtime.debug``, instrumentation) are not watched: call :func:`clear`
+after changing them. Under the interpreter ``kernel[grid]`` returns no compiled kernel, and
+on ROCm a kernel's specialisation also depends on each tensor's storage size, which the key
+leaves out: there every launch goes through ``kernel[grid]``, as with triton older than 3.4
+(no ``triton.knobs``). ``DIRECT = False`` sends every launch through ``kernel[grid]``;
+``tests/run_gpu.sh`` runs the kernel tests both ways. The direct path's saving is measured
+by ``benchmarks/gpu_figures.py``'s ``launch`` row (``benchmarks/RESULTS.md``).
 
 Every launch goes to the CUDA device of its first tensor: Triton launches on the *current*
 device and its current stream, not on the device of the pointers it is given, so grads on

@@ -113,23 +113,23 @@ def _block_pass(ptrs, mask, inv, coef, HAS_MASK: tl.constexpr, WRITE: tl.constex
 
 @triton.jit
 def unscale_kernel(
-    grad_ptr,
-    table_ptr,
-    inv_scale_ptr,
-    found_inf_ptr,
-    coef_ptr,
-    partial_ptr,
-    n_elements,
-    BLOCK: tl.constexpr,
-    USE_TABLE: tl.constexpr,
-    WRITE: tl.constexpr,
-    BF16_BITS: tl.constexpr,
-    VEC: tl.constexpr,
-    FP64: tl.constexpr,
-    ROUND: tl.constexpr,
-    NORM: tl.constexpr,
-    CLIP: tl.constexpr,
-    INV_FROM_SCALE: tl.constexpr,
+    grad_ptr,  # *Pointer* to the first gradient element (a bucket's, or the table's base grad)
+    table_ptr,  # *Pointer* to the int64 chunk table, rows (start, length) in elements from grad_ptr
+    inv_scale_ptr,  # *Pointer* to the fp32 multiplier, or to the scale (INV_FROM_SCALE)
+    found_inf_ptr,  # *Pointer* to the fp32 overflow flag: set to 1.0, never cleared
+    coef_ptr,  # *Pointer* to the fp32 clip coefficient (CLIP)
+    partial_ptr,  # *Pointer* to one norm partial per program (NORM != 0)
+    n_elements,  # Elements of the flat buffer (USE_TABLE=False)
+    BLOCK: tl.constexpr,  # Elements per program
+    USE_TABLE: tl.constexpr,  # Program p covers chunk p of the table, not block p of a buffer
+    WRITE: tl.constexpr,  # Store the unscaled values (False: the read-only check)
+    BF16_BITS: tl.constexpr,  # bf16 through exact bit helpers (the interpreter's casts are not)
+    VEC: tl.constexpr,  # Elements per 16 bytes: full blocks starting at a multiple run unmasked
+    FP64: tl.constexpr,  # float64 grads, multiplied in float64
+    ROUND: tl.constexpr,  # Check the product as stored (rounded to the grad's dtype)
+    NORM: tl.constexpr,  # 2: sum of squares, -1: max |x| of the unscaled values, 0: none
+    CLIP: tl.constexpr,  # Also multiply by the clip coefficient before storing
+    INV_FROM_SCALE: tl.constexpr,  # Form inv_scale on the device as fp32(1 / fp64(scale))
 ):
     pid = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, BLOCK)

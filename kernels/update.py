@@ -26,19 +26,19 @@ _OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}
 
 @triton.jit
 def update_scale_kernel(
-    scale_ptr,
-    growth_tracker_ptr,
-    found_inf_ptr,
-    hysteresis_tracker_ptr,
-    params_ptr,
-    skipped_ptr,
-    skipped_count_ptr,
-    N_FOUND: tl.constexpr,
-    HAS_HYSTERESIS: tl.constexpr,
-    CONSECUTIVE_HYSTERESIS: tl.constexpr,
-    DYNAMIC: tl.constexpr,
-    RECORD_SKIP: tl.constexpr,
-    RESET_FOUND: tl.constexpr,
+    scale_ptr,  # *Pointer* to the fp32 scale, updated in place
+    growth_tracker_ptr,  # *Pointer* to the int32 count of clean steps since the last change
+    found_inf_ptr,  # *Pointer* to N_FOUND fp32 overflow flags (one per device or optimizer)
+    hysteresis_tracker_ptr,  # *Pointer* to the int32 hysteresis tracker (HAS_HYSTERESIS)
+    params_ptr,  # *Pointer* to the float64 settings, laid out as PARAMS_LAYOUT
+    skipped_ptr,  # *Pointer* to last_step_skipped, a bool's byte (RECORD_SKIP)
+    skipped_count_ptr,  # *Pointer* to the int64 count of skipped steps (RECORD_SKIP)
+    N_FOUND: tl.constexpr,  # Number of flags; any non-zero one is an overflow
+    HAS_HYSTERESIS: tl.constexpr,  # Back off only when the hysteresis tracker runs out
+    CONSECUTIVE_HYSTERESIS: tl.constexpr,  # Refill the tracker on every clean step
+    DYNAMIC: tl.constexpr,  # Update the scale (False: static scaling, flags only)
+    RECORD_SKIP: tl.constexpr,  # Write last_step_skipped and the skipped-step count
+    RESET_FOUND: tl.constexpr,  # Zero the flags for the next iteration
 ):
     # The iteration's overflow: any of the N_FOUND flags non-zero (NaN counts, as torch's
     # ``found_inf != 0``); RESET_FOUND zeroes them for the next iteration.

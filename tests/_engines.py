@@ -44,7 +44,7 @@ def _wrap(engine, model):
 
         mesh = init_device_mesh("cpu", (2,))
         kwargs = {}
-        if engine == "fsdp2_mixed_precision":  # fp16 compute, fp32 grads (the README's)
+        if engine == "fsdp2_mixed_precision":  # fp16 compute, fp32 grads (docs/distributed.md's)
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float16,

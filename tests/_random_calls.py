@@ -18,7 +18,7 @@ OPTIMIZERS = {
 }
 #: The kinds the setups draw from (the more-changes test draws from all of OPTIMIZERS)
 BASE_OPTIMIZERS = list(OPTIMIZERS)
-OPTIMIZERS.update({  # (not fused SGD: torch's keeps a skipped first step's momentum, README)
+OPTIMIZERS.update({  # (not fused SGD: torch's keeps a skipped first step's momentum, docs/exactness.md)
     "adam_fused_wd": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True, weight_decay=0.1),
     "adamw_amsgrad_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True, fused=True),
     "adagrad_fused": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True),
@@ -144,7 +144,7 @@ def _add_param_group(side, k, spec, data_seed):
 def _replace_param(side, i, spec, data_seed, in_place):
     """A new parameter object in place of parameter ``i``, in the optimizer's group: in the
     group's list itself, or in a new list (only the latter with GradBuckets: in place, it is
-    seen only between buckets.zero_() and the backward, README)."""
+    seen only between buckets.zero_() and the backward, docs/buckets.md)."""
     old = side.params[i]
     new = new_param(spec, torch.Generator().manual_seed(data_seed), side.device)
     side.params[i] = new
@@ -204,7 +204,7 @@ def draw_call(rng: random.Random, setup: dict, gen: torch.Generator):
                     position = rng.choice([0, w.numel() - 1, rng.randrange(w.numel())])
                     w.view(-1)[position] = rng.choice(NON_FINITE)
                 if w.numel() and setup.get("more_grad_changes") and rng.random() < 0.3 \
-                        and not setup["buckets"]:  # (with buckets: README, test_buckets.py)
+                        and not setup["buckets"]:  # (with buckets: docs/buckets.md, test_buckets.py)
                     w.view(-1)[rng.randrange(w.numel())] = -0.0  # a -0.0 in the grad
                 weights.append((i, w))
         return _backward, (weights or [(0, torch.zeros(()))], rng.random() < 0.2)

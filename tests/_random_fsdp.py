@@ -129,7 +129,7 @@ def _draw(rng: random.Random, previous: str, dims: list[int], n_params: int, ran
     if kind == "zero_grad":  # ("buckets": buckets.zero_() where ours has them)
         # (not set_to_none=False with buckets: before a parameter's first gradient torch's
         # grad is None and ours a 0.0 view, which turns a -0.0 in that gradient into 0.0,
-        # the one sign-of-zero difference the README documents)
+        # the one sign-of-zero difference docs/buckets.md documents)
         return kind, (rng.choice([True, True, "buckets"] if bucketed else
                                  [True, True, False, "buckets"]),)
     return kind, ()
@@ -197,7 +197,7 @@ def _compare(ours: tuple, theirs: tuple, sides: tuple) -> None:
     for i, (p, q) in enumerate(zip(mine["params"], torchs["params"])):
         assert_same(_local(p).detach(), _local(q).detach())
         if q.grad is None and mine["buckets"] and p.grad is not None:
-            # a zero view until the step when no gradient came (README, "Flat gradient buckets")
+            # a zero view until the step when no gradient came (docs/buckets.md)
             assert not p.grad.any(), f"grad {i}"
         else:
             assert (p.grad is None) == (q.grad is None), f"grad {i}"
@@ -215,7 +215,7 @@ def run_seed(seed: int, rank: int, backend: str, engine: str) -> str | None:
     whatever its outcome, so the ranks' collectives stay in step."""
     sides = (_side(seed, True, backend, engine), _side(seed, False, backend, engine))
     rng = random.Random(seed * 7 + 1)
-    # ours' fused clip is bit-identical to torch's on the reference path (README)
+    # ours' fused clip is bit-identical to torch's on the reference path (docs/clipping.md)
     fused_clip = backend == "reference" and rng.random() < 0.5
     first, kind, comparable = None, "zero_grad", True
     for number in range(length(rng.randint(5, 40))):

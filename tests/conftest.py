@@ -38,7 +38,7 @@ def cuda():
 
 @pytest.fixture
 def triton_device():
-    """Where this session runs the Triton kernels: CPU tensors through the interpreter, or
+    """Where this test run runs the Triton kernels: CPU tensors through the interpreter, or
     the GPU in a GPU run (``TRITON_SCALER_GPU_TESTS=1``, no interpreter); skipped otherwise."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return torch.device("cpu")

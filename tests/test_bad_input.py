@@ -1,10 +1,11 @@
-"""Issue 12, second part: bad input gets a clear error naming the argument (or state_dict key)
+"""Bad input gets a clear error naming the argument (or state_dict key)
 and its accepted values, and changes nothing. Both backends where a backend is involved."""
 
 import copy
 import io
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -179,6 +180,24 @@ def test_update_takes_a_tensor_new_scale_as_torch(backend):
         scaler.update()
         scales.append(scaler.get_scale())
     assert scales == [-0.5, -0.5]
+
+
+def test_a_negative_scale_is_reported_as_not_positive_not_as_underflowed(backend):
+    """A scale set negative through ``update(new_scale=tensor)`` warns once that it is not a
+    positive number; the underflow warning is for positive scales below 2**-126."""
+    scaler = GradScaler("cpu", backend=backend)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler.scale(p.sum()).backward()
+    scaler.step(opt)
+    scaler.update(torch.tensor(-1.0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert scaler.get_scale() == -1.0
+        scaler.get_scale()
+    messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert len(messages) == 1, messages
+    assert "not a positive number" in messages[0] and "underflowed" not in messages[0]
 
 
 def test_unscale_without_grads_raises_only_in_step_as_torch(backend):

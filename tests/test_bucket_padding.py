@@ -40,7 +40,7 @@ def _train(scaler, *, buckets: bool, route: str, zero: str, bad_scale: float,
         loss = sum((p.float() * torch.randn(p.shape, generator=gen).to(device)).sum()
                    for p in params)
         # the iteration with the bad scale also overflows: torch's op checks only its inputs
-        # and would step with the products' NaN (triton_scaler skips: see the README)
+        # and would step with the products' NaN (triton_scaler skips: docs/buckets.md)
         scaler.scale(loss * (math.inf if it == 2 else 1.0)).backward()
         if route != "plain":
             scaler.unscale_(opt)

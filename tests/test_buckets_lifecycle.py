@@ -177,7 +177,7 @@ def test_fused_step_after_an_unscale_that_saw_no_grads_raises(backend):
 
 def test_a_parameter_replaced_in_place_is_seen_from_the_next_zero(backend):
     """``group["params"][i] = new`` keeps the list: the buckets see the replacement at the
-    next buckets.zero_() (the old parameter received no gradient), as the README says."""
+    next buckets.zero_() (the old parameter received no gradient), as docs/buckets.md says."""
     build = _bucketed(lambda: [torch.nn.Parameter(torch.randn(5)),
                                torch.nn.Parameter(torch.randn(3))])
 

@@ -77,7 +77,7 @@ def test_a_middle_grad_replaced_after_the_backward_is_seen(backend, storage_held
     checked) is replaced by a new tensor, nothing holding its old view: the storage's count
     of live views drops, which alone tells the scaler to unscale and check the new tensor
     (-inf in it at the second step: skipped). (With its old view held elsewhere the count
-    would stay: the one case README's GradBuckets section says the checks cannot see.)
+    would stay: the one case docs/buckets.md says the checks cannot see.)
     ``storage_held``: the buffer's Python storage object is alive meanwhile, as Triton's
     interpreter leaves it in a reference cycle after each launch; with torch 2.8 a count read
     through a temporary storage object missed the replaced grad then."""

@@ -14,7 +14,7 @@ from triton_scaler import GradBuckets, GradScaler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_embedding_left_out_of_the_buckets_matches_torch(backend, optimizer, dtype):
     """A sparse embedding's grad accumulates dense in a bucket view (autograd adds a sparse
-    grad into an existing dense .grad), so it stays out of the buckets (README); the buckets
+    grad into an existing dense .grad), so it stays out of the buckets (docs/buckets.md); the buckets
     over the other parameters and the embedding's sparse grad on the per-tensor path train as
     torch's scaler does, overflow steps (an inf in a looked-up row, or in the dense part)
     and repeated indices included."""
@@ -51,7 +51,7 @@ def test_sparse_embedding_left_out_of_the_buckets_matches_torch(backend, optimiz
 
 
 def test_a_sparse_embedding_in_a_bucket_gets_a_dense_grad():
-    """What the README warns of: inside a bucket the sparse grad is added into the dense view."""
+    """What docs/buckets.md warns of: inside a bucket the sparse grad is added into the dense view."""
     emb = torch.nn.Embedding(7, 3, sparse=True)
     GradBuckets([emb.weight])
     emb(torch.tensor([1, 1, 5])).sum().backward()

@@ -7,10 +7,16 @@ from triton_scaler.__main__ import main
 
 
 def test_demo_runs_and_finds_no_difference(capsys):
-    assert main(["demo", "--steps", "25"]) == 0
+    """The demo's two runs agree; it names device, backend, dtype and threads, says on the CPU
+    that both scalers run torch's op there, and leaves torch's thread count as it found it."""
+    threads = torch.get_num_threads()
+    assert main(["demo", "--steps", "25", "--threads", "2"]) == 0
+    assert torch.get_num_threads() == threads
     out = capsys.readouterr().out
     assert "differences (other than speed): none" in out
     assert out.count("host syncs / step") == 2
+    assert "device cpu, backend reference, autocast torch.bfloat16" in out
+    assert "2 CPU thread(s)" in out and "both scalers run torch's own unscale op" in out
 
 
 def test_bench_prints_a_table(monkeypatch, capsys):

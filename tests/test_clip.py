@@ -66,7 +66,7 @@ def test_a_scale_without_a_finite_reciprocal_gives_torchs_norm(backend, scale, n
                                                                  dtype):
     """inv_scale inf: every non-zero grad unscales to +-inf and torch's norm is inf (not
     NaN): the lanes past a grad's end in its last block count for nothing, though 0 * inf is
-    NaN. (With GradBuckets the Triton norm is NaN: the README says why.)"""
+    NaN. (With GradBuckets the Triton norm is NaN: docs/buckets.md says why.)"""
     results = []
     for impl in ("torch", "ours"):
         gen = torch.Generator().manual_seed(4)
@@ -289,7 +289,7 @@ def test_a_bucketed_parameter_without_a_gradient_is_not_counted(backend, norm_ty
 @pytest.mark.parametrize("buckets", [False, True])
 def test_an_empty_grad_is_left_out_of_the_inf_norm(backend, buckets):
     """torch's clip raises for the inf norm of an empty grad (a max has no identity); the
-    fused clip leaves empty grads out of it (README: differs on purpose). Its norm and grads
+    fused clip leaves empty grads out of it (docs/exactness.md: differs on purpose). Its norm and grads
     are those of torch's unscale_ + clip over the non-empty grads; only empty grads: 0."""
     params, opt, scaler = _setup(backend, (7, 0, 4099, 0), torch.float32, buckets=buckets)
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in params]

@@ -91,7 +91,7 @@ def test_static_loss_scale_never_skips(backend):
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy
 def test_growth_stops_at_the_last_finite_scale(backend):
     """With ``max_loss_scale=inf`` apex's Python float grows past fp32's maximum; ours stays
-    at the last finite scale (README), the window starts again, and an overflow backs off
+    at the last finite scale (docs/migrating.md), the window starts again, and an overflow backs off
     from it."""
     amp = Amp(init_scale=2.0**127, max_loss_scale=math.inf, scale_window=1, backend=backend)
     peer = ApexLossScaler(2.0**127, 1, None, math.inf)

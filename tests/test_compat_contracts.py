@@ -2,7 +2,7 @@
 the defaults of the peers' signatures, the attributes their callers read, and the refusal of
 each malformed flag or state entry with a ``TypeError`` naming it (the constructors' argument
 checks are in ``test_bad_input_peers.py``). Each test here kills
-mutants of ``triton_scaler/compat`` that the rule's own tests left alive (session 51)."""
+mutants of ``triton_scaler/compat`` that the rule's own tests leave alive."""
 
 import re
 

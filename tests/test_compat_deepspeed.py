@@ -51,7 +51,7 @@ def test_raises_at_min_scale_like_deepspeed(backend):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy
 def test_growth_stops_at_the_last_finite_scale(backend):
-    """The difference that remains (README): DeepSpeed's Python float grows past fp32's
+    """The difference that remains (docs/migrating.md): DeepSpeed's Python float grows past fp32's
     maximum; ours stays at the last finite scale, and the next overflow backs off from it."""
     ours = DynamicLossScaler(2.0**127, 1, 1.0, 1, False, raise_error_at_min_scale=False,
                              device="cpu", backend=backend)

@@ -42,7 +42,7 @@ _results: dict = {}
 # ((sum over ranks of total ** p) ** (1 / p)), its 1e-6 added to each rank's partial total
 # first; from 2.10 each norm is reduced before the total, the arithmetic the reference
 # backend reproduces bit for bit. Before 2.10, 2-norms of DTensor grads agree to rounding
-# only (README: the DTensor norm note).
+# only (docs/distributed.md: the DTensor norm note).
 _DTENSOR_NORM_REDUCED_LAST = tuple(map(int, torch.__version__.split(".")[:2])) < (2, 10)
 
 

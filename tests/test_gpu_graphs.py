@@ -1,7 +1,6 @@
 """A captured training iteration replayed 100 times against the same 100 iterations run
-eagerly (issue 11): the same scales, skipped steps, parameters and optimizer state, bit for
-bit. Skipped without CUDA; run with tests/run_gpu.sh. (Written after the GPU run of
-2026-11-26, whose device time was spent: it first runs on the next GPU run.)"""
+eagerly: the same scales, skipped steps, parameters and optimizer state, bit for bit.
+Skipped without CUDA; run with tests/run_gpu.sh."""
 
 import math
 

@@ -2,7 +2,7 @@
 multiplies the shared part once per grad; the kernel's programs run in no fixed order on a
 GPU. The reference path is torch's op. The Triton backend refuses to write such grads,
 before any grad changes, and reads them in a check. (Grads that start at the same address
-are unscaled once on both backends, on purpose: README, "Exactness". A grad whose own
+are unscaled once on both backends, on purpose: docs/exactness.md. A grad whose own
 elements share memory: test_overlapping_grads.py.)"""
 
 import itertools

@@ -1,4 +1,4 @@
-"""Issue 15: exactly one kernel launch per gradient group / bucket for unscale_ (or the
+"""Exactly one kernel launch per gradient group / bucket for unscale_ (or the
 fused route's check) and exactly one for update(), no other device op; the O(1) bucket path
 stays exact when grads are replaced (the no-bucket plans: test_plan_reuse.py)."""
 

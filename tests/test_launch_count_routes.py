@@ -1,4 +1,4 @@
-"""Issue 15, by route: the reference backend launches no kernel; a fused step after
+"""Launches by route: the reference backend launches no kernel; a fused step after
 ``unscale_`` checks nothing again; seven optimizers read their flags from views of the
 scaler's flag buffer in every iteration (no device op in ``step``); gradient buckets plan
 their launch once, and the parameters outside them are laid out once per parameter layout."""

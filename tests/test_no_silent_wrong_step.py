@@ -1,4 +1,4 @@
-"""Issue 12, first part: cases where a step used to be silently wrong. Both backends (Triton
+"""Cases where a step could be silently wrong, and is not. Both backends (Triton
 through the interpreter), torch's scaler or torch's op as the oracle, compared exactly."""
 
 import math

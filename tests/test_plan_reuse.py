@@ -1,4 +1,4 @@
-"""Issue 15: the address-keyed launch plans of the no-bucket path stay exact when the grads'
+"""The address-keyed launch plans of the no-bucket path stay exact when the grads'
 memory changes: grads cycling through memory layouts, empty grads first, grads assigned as
 views with gaps, channels_last and transposed grads; plans reused through one TensorGuards
 check. Each run against torch's scaler (which reads every ``.grad`` each step). The

@@ -1,4 +1,4 @@
-"""Issue 15: the address-keyed launch plans of the no-bucket path stay exact when the
+"""The address-keyed launch plans of the no-bucket path stay exact when the
 parameters change: swapped into ``param_groups`` (also with its grad in the old grad's memory),
 swapped out (freed), converted or resized in place (also with new grads at the old grads'
 addresses). Each run against torch's scaler (which reads every ``.grad`` each step). The

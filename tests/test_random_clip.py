@@ -8,11 +8,11 @@ very different magnitudes, planted inf / -inf / NaN, parameters left out of the 
 grads after the clip, parameters and scale are compared:
 
 * reference backend, without and with GradBuckets, against torch: bit-equal when all grads
-  are fp32; with bf16 grads the norms differ by design (ours accumulates in fp32, README), so
+  are fp32; with bf16 grads the norms differ by design (ours accumulates in fp32, docs/clipping.md), so
   there the scale and the trajectory up to the first clipped step are compared;
 * Triton kernels (interpreter) against the reference backend: the scale exactly, the norm to
   1e-5, grads and parameters exactly up to the first clipped step (the 2-norm's summation
-  order differs), up to a step whose sum of squares leaves float32 (README).
+  order differs), up to a step whose sum of squares leaves float32 (docs/exactness.md).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _run(seed: int, backend: str | None, buckets: bool = False) -> list[tuple]:
                     [p for p in params if p.grad is not None], max_norm, norm_type, foreach=True)
             else:
                 norm = scaler.clip_grad_norm_(opt, max_norm, norm_type)
-        except RuntimeError as error:  # torch: the inf norm of an empty grad (README)
+        except RuntimeError as error:  # torch: the inf norm of an empty grad (docs/exactness.md)
             steps.append(("error", str(error)))
             return steps
         grads = [None if p.grad is None else p.grad.clone() for p in params]
@@ -108,7 +108,7 @@ def _run(seed: int, backend: str | None, buckets: bool = False) -> list[tuple]:
 
 def _without_torchs_last_error(ours: list[tuple], theirs: list[tuple]) -> tuple[list, list]:
     """torch stops where its infinity norm meets an empty grad; ours leaves empty grads out
-    (README): the steps up to there are compared."""
+    (docs/exactness.md): the steps up to there are compared."""
     if theirs and theirs[-1][0] == "error":
         assert re.search(TORCHS_EMPTY_INF_NORM_ERROR, theirs[-1][1]), theirs[-1][1]
         return ours[:len(theirs) - 1], theirs[:-1]
@@ -158,7 +158,7 @@ def test_triton_clip_matches_the_reference(seed, triton_device):
     if triton_device.type != "cpu":
         pytest.skip("CPU tensors through the interpreter (the GPU run: tests/test_gpu.py)")
     reference = _run(seed, "reference")
-    for step, s in enumerate(reference):  # up to a sum of squares past float32 (README)
+    for step, s in enumerate(reference):  # up to a sum of squares past float32 (docs/exactness.md)
         if s[0] != "error" and s[0].isfinite() and s[0].double() ** 2 > 3.4e38:
             reference = reference[:step]
             break

@@ -27,7 +27,7 @@ from triton_scaler.compat.mindspore import DynamicLossScaler
 SEEDS = seeds(12)
 FP32_MAX = float(torch.finfo(torch.float32).max)
 #: below float32's normal range our fp32 scale loses bits and from 2**-128 down its reciprocal
-#: is inf, so every step is skipped (README); the peers' Python floats go on: a sequence ends
+#: is inf, so every step is skipped (docs/exactness.md); the peers' Python floats go on: a sequence ends
 FP32_TINY = float(torch.finfo(torch.float32).tiny)
 
 
@@ -55,7 +55,7 @@ def test_apex_amp_follows_apex_over_random_settings(backend, seed):
         _iteration(amp, [p], [opt], overflow)
         peer.update_scale(overflow)
         assert torch.equal(p.detach(), before) == overflow, step
-        # apex's Python float grows past float32's maximum; ours stays (README): then stop
+        # apex's Python float grows past float32's maximum; ours stays (docs/migrating.md): then stop
         past_fp32 = peer._loss_scale > FP32_MAX
         assert amp.state_dict()["loss_scaler0"] == {
             "loss_scale": last_scale if past_fp32 else peer._loss_scale,
@@ -138,7 +138,7 @@ def test_mindspore_adjust_follows_mindspore_over_random_settings(backend, seed):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_hysteresis_follows_megatron_over_random_settings(backend, seed):
     """Megatron's scale grows to inf (no finiteness check; ours stays at the last finite
-    scale, README): checked where a sequence gets there, which then ends."""
+    scale, docs/migrating.md): checked where a sequence gets there, which then ends."""
     rng = random.Random(seed)
     min_scale = rng.choice([1.0, 2.0**-5, 2.0**10])
     init = max(rng.choice([2.0**16, 2.0**32, 1.0, 2.0**60]), min_scale)
@@ -196,7 +196,7 @@ def test_megatron_adapter_follows_megatron_over_random_settings(backend, seed):
 def test_deepspeed_scaler_follows_deepspeed_over_random_settings(backend, seed):
     """DeepSpeed's Python-float scale against ours in fp32: every scale here is an exact
     float32 (the factor is 2), where both must agree bit for bit, until DeepSpeed's float
-    grows past fp32's maximum (ours stays at the last finite scale, README: checked, and the
+    grows past fp32's maximum (ours stays at the last finite scale, docs/migrating.md: checked, and the
     sequence ends there); the raise at the minimum included."""
     rng = random.Random(seed)
     min_scale = rng.choice([1.0, 0.25, 3.0, 2.0**10, 0.0])

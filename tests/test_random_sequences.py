@@ -102,7 +102,7 @@ def _assert_same_sides(ours: Side, theirs: Side, where: str) -> None:
         assert_same(p.detach(), q.detach())
         if q.grad is None and ours.buckets is not None and p.grad is not None:
             # GradBuckets: a parameter that received no gradient since buckets.zero_() has a
-            # zero view, which becomes None before the step (README, "Flat gradient buckets")
+            # zero view, which becomes None before the step (docs/buckets.md)
             assert not p.grad.any(), f"{where}: grad {i}"
         elif q.grad is None or p.grad is None:
             assert p.grad is None and q.grad is None, f"{where}: grad {i}"

@@ -205,7 +205,7 @@ def test_fused_clip_of_float16_shards_against_fsdps_clip(backend, max_norm, tmp_
     """``clip_grad_norm_(sharded=True)`` of float16 FSDP1 grads against ``unscale_`` +
     ``FSDP.clip_grad_norm_``: the same scales and skipped step. FSDP's norm is float16 and
     its coefficient is rounded to float16 before the multiplication; ours are float32
-    (README): the norms agree to float16's rounding. The parameters come out equal, also with
+    (docs/distributed.md): the norms agree to float16's rounding. The parameters come out equal, also with
     the clip active (max_norm 0.3, coefficients 0.45 to 0.65 here): the two roundings of
     ``g * coef`` did not part on this data."""
     for rank, results in enumerate(_sharded_results(backend, tmp_path_factory)):

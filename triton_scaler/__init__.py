@@ -8,8 +8,9 @@ from .buckets import GradBuckets
 from .grad_scaler import GradScaler, MinScaleReachedError
 from .ops import all_finite
 from .policy import ScalePolicy, ScalerArgumentError
+from .schedulers import SkipAwareScheduler
 from .sharded import ShardedGradScaler
 
 __all__ = ["GradScaler", "GradBuckets", "MinScaleReachedError", "ScalePolicy",
-           "ScalerArgumentError", "ShardedGradScaler", "all_finite", "ops"]
+           "ScalerArgumentError", "ShardedGradScaler", "SkipAwareScheduler", "all_finite", "ops"]
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ import torch
 
 BACKENDS = ("auto", "reference", "triton")
 Backend = Literal["auto", "reference", "triton"]
-#: The oldest triton the whole test suite passes with (README: tested versions).
+#: The oldest triton the whole test suite passes with (docs/testing.md: supported versions).
 MIN_TRITON = (3, 3)
 
 

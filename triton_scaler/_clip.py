@@ -154,6 +154,25 @@ class ClipMixin(_ScalerStep):
         strategy, ZeRO-style sharding) and the norm is summed over it, as
         ``FullyShardedDataParallel.clip_grad_norm_``. With a ``process_group`` and plain
         grads, ``sharded`` must be given.
+
+        Args:
+            optimizer: the optimizer whose grads to unscale and clip.
+            max_norm: the largest total norm, finite and >= 0.
+            norm_type: p of the p-norm, > 0, or ``inf`` / ``"inf"``.
+            error_if_nonfinite: raise when the total norm is non-finite, as torch's clip.
+            sharded: whether plain grads are shards over the scaler's ``process_group``.
+
+        Returns:
+            The total norm of the unscaled grads, a 0-d float32 tensor on the scale's device.
+
+        Raises:
+            RuntimeError: a non-finite norm with ``error_if_nonfinite=True``; torch's errors
+                for a second unscale in one iteration.
+            ValueError, TypeError: a bad argument, named; ``sharded`` missing where needed.
+            NotImplementedError: sparse grads.
+
+        .. note:: Does not synchronise with the host, except ``error_if_nonfinite=True``
+            (one read).
         """
         max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
         if not isinstance(error_if_nonfinite, bool):

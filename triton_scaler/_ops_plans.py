@@ -9,7 +9,7 @@ one C++ call; see :mod:`._stored_plans`), launches that list's plans again: one 
 grads' data pointers, their comparison with the stored lists' (no hash) and that check,
 where a call without stored plans also passes over their dtypes, devices, layouts, sizes and
 contiguity, groups them and plans each launch (no-op launches on CPU, same list each call:
-231 against 656 us at 1,000 grads, ``benchmarks/RESULTS.md``). The guard is built from grads
+243 against 692 us at 1,000 grads, ``benchmarks/RESULTS.md``). The guard is built from grads
 that passed every check, at the second call at those addresses; a one-off list pays nothing
 for it. Holds no grad.
 """

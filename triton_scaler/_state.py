@@ -160,14 +160,20 @@ class ScalerStateMixin(_TorchGradScaler):
     @property
     def last_step_skipped(self) -> torch.Tensor:
         """0-d bool tensor on the scale's device: whether the last :meth:`update` followed a
-        skipped step. Reading it as a Python bool synchronises; using it on the device does not."""
+        skipped step.
+
+        .. note:: Reading it as a Python bool synchronises; using it on the device does not.
+        """
         if self._last_step_skipped is None:
             return torch.zeros((), dtype=torch.bool, device="cpu")
         return self._last_step_skipped
 
     @property
     def skipped_steps(self) -> int:
-        """Total number of skipped steps (saved in the state_dict). Synchronises when read."""
+        """Total number of skipped steps (saved in the state_dict).
+
+        .. note:: Synchronises with the host when read.
+        """
         if not self._enabled or self._skipped_steps_t is None:
             return self._init_skipped_steps
         return int(self._skipped_steps_t.item())
@@ -178,9 +184,16 @@ class ScalerStateMixin(_TorchGradScaler):
         return int(self._hysteresis_tracker_state.item())
 
     def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled). Synchronises, as torch.
-        Warns once if the scale has underflowed (below 2**-126; from 2**-128 down every step
-        is skipped)."""
+        """The current scale.
+
+        Warns once (``RuntimeWarning``) if the scale is below 2**-126, where the scaled grads
+        lose precision (from 2**-128 down every step is skipped), or is not positive.
+
+        Returns:
+            The scale as a Python float; 1.0 when disabled.
+
+        .. note:: Synchronises with the host (one read), as torch's.
+        """
         scale = super().get_scale()
         if self._enabled:
             self._warn_if_underflowed(scale)
@@ -191,6 +204,13 @@ class ScalerStateMixin(_TorchGradScaler):
         ``get_scale()`` or ``step()`` line, whichever read it)."""
         if scale < FP32_TINY and not self._warned_underflow:
             self._warned_underflow = True
+            if not scale > 0.0:  # set so through update(new_scale=tensor): not an underflow
+                warn_at_caller(
+                    f"The loss scale is {scale!r}, not a positive number (set through "
+                    "update(new_scale=...)): unscaling multiplies the gradients by 1/scale, which "
+                    "then flips their sign (a negative scale) or skips every step (0 or NaN). "
+                    "Set a positive scale with update(new_scale=...).", RuntimeWarning)
+                return
             warn_at_caller(
                 f"The loss scale has underflowed to {scale!r} (below float32's smallest normal "
                 f"{FP32_TINY!r}): the scaled gradients lose precision, and from 2**-128 down "
@@ -200,25 +220,54 @@ class ScalerStateMixin(_TorchGradScaler):
                 RuntimeWarning)
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (finite, > 1); takes effect on the device, also inside CUDA
-        graphs. ``ValueError`` / ``TypeError`` (nothing changed) for a bad value. Does not
-        synchronise (a stream-ordered upload of the policy's float64 device buffer)."""
+        """Set the growth factor; takes effect on the device, also inside CUDA graphs.
+
+        Args:
+            new_factor: finite, > 1.
+
+        Raises:
+            ValueError, TypeError: a bad value (nothing changed).
+
+        .. note:: Does not synchronise (a stream-ordered upload of the settings buffer).
+        """
         self._set_policy(self._policy.replace(growth_factor=new_factor))
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in ``[2**-126, 1)``); takes effect on the device. Does not
-        synchronise."""
+        """Set the backoff factor; takes effect on the device, also inside CUDA graphs.
+
+        Args:
+            new_factor: in ``[2**-126, 1)``.
+
+        Raises:
+            ValueError, TypeError: a bad value (nothing changed).
+
+        .. note:: Does not synchronise.
+        """
         self._set_policy(self._policy.replace(backoff_factor=new_factor))
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (int in ``[1, 2**31 - 1]``); takes effect on the device. Does
-        not synchronise."""
+        """Set the growth interval; takes effect on the device, also inside CUDA graphs.
+
+        Args:
+            new_interval: int in ``[1, 2**31 - 1]``.
+
+        Raises:
+            ValueError, TypeError: a bad value (nothing changed).
+
+        .. note:: Does not synchronise.
+        """
         self._set_policy(self._policy.replace(growth_interval=new_interval))
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """torch's five keys plus the extension settings, the hysteresis tracker and the
-        skipped-step count; ``{}`` when disabled. Synchronises (reads the device state)."""
+        """The scaler's state, loadable here and into ``torch.amp.GradScaler``.
+
+        Returns:
+            torch's five keys plus the extension settings, the hysteresis tracker and the
+            skipped-step count; ``{}`` when disabled.
+
+        .. note:: Synchronises with the host (reads the device state), as torch's.
+        """
         state = super().state_dict()
         if not self._enabled:
             return state
@@ -229,12 +278,24 @@ class ScalerStateMixin(_TorchGradScaler):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state_dict of this class or of ``torch.amp.GradScaler`` (whose missing
-        extension keys keep this instance's settings). Every key is validated, with the
-        constructor's rules, before anything changes: on error the scaler is untouched and
-        the error names the key. Unknown keys are ignored, as torch. A no-op when disabled.
-        The device state is filled in place (no sync); a dict without ``_hysteresis_tracker``
-        (torch's) reads this scaler's tracker once (a host read)."""
+        """Load a state_dict of this class or of ``torch.amp.GradScaler``.
+
+        Every key is validated, with the constructor's rules, before anything changes.
+        Unknown keys are ignored, as torch's; torch's dicts keep this instance's extension
+        settings. A no-op when disabled.
+
+        Args:
+            state_dict: from :meth:`state_dict` of either class.
+
+        Raises:
+            RuntimeError: an empty dict (saved from a disabled scaler), as torch.
+            KeyError: one of torch's five keys is missing.
+            ValueError, TypeError: a bad value; the error names the key and the scaler is
+                untouched.
+
+        .. note:: Does not synchronise (the device state is filled in place), except that a
+            dict without ``_hysteresis_tracker`` (torch's) reads this scaler's tracker once.
+        """
         if not self._enabled:
             return
         if not isinstance(state_dict, dict):

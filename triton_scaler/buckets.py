@@ -30,8 +30,8 @@ class GradBuckets:
     added to the optimizer later are unscaled by the per-tensor path. Buckets hold no state of
     their own: model and optimizer checkpoints are unaffected. Do not hold a grad's old view
     while its parameter gets another grad (assigned after the backward, or set to None before
-    it and the grads then written in place): the O(1) check may not see that grad (README,
-    "Host cost with buckets").
+    it and the grads then written in place): the O(1) check may not see that grad
+    (docs/buckets.md).
 
     One buffer per (device, dtype) of the parameters (CPU or CUDA; float32, float16,
     bfloat16, float64), 16-byte aligned; grads present when it is built are copied in. No method
@@ -88,7 +88,10 @@ class GradBuckets:
 
     def release(self) -> None:
         """Give every grad its own storage again (a copy of its view), unregister the buckets
-        from the optimizer and free the parameters for new buckets (e.g. a rebuilt optimizer)."""
+        from the optimizer and free the parameters for new buckets (e.g. a rebuilt optimizer).
+
+        .. note:: Does not synchronise (device copies only).
+        """
         for bucket in self.buckets:
             bucket._release()
         if self._optimizer is not None:
@@ -102,7 +105,10 @@ class GradBuckets:
         equivalent of torch's default ``optimizer.zero_grad()``. Parameters that then receive
         no gradient before the step get ``grad = None`` and are skipped by the optimizer,
         exactly as in torch's default loop. The optimizer's parameters outside the buckets
-        (frozen when they were built, added since) get ``grad = None`` now, as there."""
+        (frozen when they were built, added since) get ``grad = None`` now, as there.
+
+        .. note:: Does not synchronise (one fill per bucket).
+        """
         # a parameter that received no gradient may have left the optimizer (replaced in
         # place in its group): look for parameters outside the buckets again
         recheck = any(len(b.received) < len(b.params) for b in self.buckets)

@@ -1,6 +1,8 @@
 """``python -m triton_scaler demo``: a mixed-precision training run with triton_scaler beside
-``torch.amp.GradScaler``, printing both scale trajectories, skipped steps, speed, host syncs
-per step, and whether the two runs differ (they must not, except in speed)."""
+``torch.amp.GradScaler``, printing the device, backend and autocast dtype, both scale
+trajectories, skipped steps, step time (the two runs interleaved, step by step, with a fixed
+number of CPU threads), host syncs per step, and whether the two runs differ (they must not,
+except in speed)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ._backend import triton_available
 from .diagnostics import count_host_syncs, optimizer_step_uncounted
 from .grad_scaler import GradScaler
 
@@ -39,43 +42,73 @@ def _fused_clip(scaler, opt, model) -> torch.Tensor:
     return scaler.clip_grad_norm_(opt, 1.0)  # one read pass + one read/write pass
 
 
-def train_run(scaler: torch.amp.GradScaler, device: torch.device, steps: int,
-              overflow_at: set[int], fused: bool, desc: str,
-              clip: Callable[..., torch.Tensor] = _torch_clip) -> dict[str, Any]:
-    """Train a fresh copy of the demo model; returns trajectory, params and timings."""
-    model = _model(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
-    autocast_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    gen = torch.Generator(device=device).manual_seed(1)
-    target_w = torch.randn(64, 8, device=device, generator=gen)
-    scales, losses, syncs, elapsed = [], [], 0, 0.0
-    previous = scaler.get_scale()
-    for step in _progress(range(steps), steps, desc):
-        x = torch.randn(128, 64, device=device, generator=gen)
+class _Run:
+    """One training run of the demo model under one scaler, stepped one iteration at a time so
+    that two runs can be timed interleaved (machine noise then hits both alike)."""
+
+    def __init__(self, scaler: torch.amp.GradScaler, device: torch.device, fused: bool,
+                 clip: Callable[..., torch.Tensor]) -> None:
+        self.scaler, self.device, self.clip = scaler, device, clip
+        self.model = _model(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, fused=fused)
+        self.gen = torch.Generator(device=device).manual_seed(1)
+        self.target_w = torch.randn(64, 8, device=device, generator=self.gen)
+        self.scales: list[float] = []
+        self.losses: list[torch.Tensor] = []
+        self.syncs = 0
+        self.elapsed = 0.0
+
+    def step(self, overflow: bool) -> None:
+        """One iteration, timed; a planted overflow multiplies the loss by inf."""
+        scaler, opt = self.scaler, self.opt
+        x = torch.randn(128, 64, device=self.device, generator=self.gen)
         start = time.perf_counter()
-        with torch.autocast(device.type, dtype=autocast_dtype):
-            loss = torch.nn.functional.mse_loss(model(x).float(), x @ target_w)
-        if step in overflow_at:
+        with torch.autocast(self.device.type, dtype=autocast_dtype(self.device)):
+            loss = torch.nn.functional.mse_loss(self.model(x).float(), x @ self.target_w)
+        if overflow:
             loss = loss * float("inf")
         with count_host_syncs() as counter, optimizer_step_uncounted(opt, counter):
             scaler.scale(loss).backward()
-            clip(scaler, opt, model)
+            self.clip(scaler, opt, self.model)
             scaler.step(opt)
             scaler.update()
         opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed += time.perf_counter() - start
-        syncs += counter.count
-        scales.append(scaler.get_scale())
-        losses.append(loss.detach())
-    skipped = 0  # with hysteresis 1, a step is skipped exactly when the scale backs off
-    for scale in scales:
-        skipped += scale < previous
-        previous = scale
-    return {"scales": scales, "params": [p.detach().clone() for p in model.parameters()],
-            "final_loss": float(losses[-1]), "skipped": skipped, "ms_per_step":
-            1e3 * elapsed / steps, "syncs_per_step": syncs / steps}
+        self.elapsed += time.perf_counter() - start
+        self.syncs += counter.count
+        self.scales.append(scaler.get_scale())
+        self.losses.append(loss.detach())
+
+    def summary(self, initial_scale: float) -> dict[str, Any]:
+        skipped, previous = 0, initial_scale  # hysteresis 1: a skip is exactly a backoff
+        for scale in self.scales:
+            skipped += scale < previous
+            previous = scale
+        steps = len(self.scales)
+        return {"scales": self.scales,
+                "params": [p.detach().clone() for p in self.model.parameters()],
+                "final_loss": float(self.losses[-1]), "skipped": skipped,
+                "ms_per_step": 1e3 * self.elapsed / steps, "syncs_per_step": self.syncs / steps}
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype:
+    """float16 on CUDA (what loss scaling is for), bfloat16 on the CPU (its autocast dtype)."""
+    return torch.float16 if device.type == "cuda" else torch.bfloat16
+
+
+def train_pair(scalers: tuple[torch.amp.GradScaler, torch.amp.GradScaler],
+               device: torch.device, steps: int, overflow_at: set[int], fused: bool,
+               desc: str) -> list[dict[str, Any]]:
+    """Train torch's scaler (``scalers[0]``, torch's clip route) and ours (fused clip) side by
+    side, alternating which goes first each iteration; returns each run's summary."""
+    runs = [_Run(scalers[0], device, fused, _torch_clip),
+            _Run(scalers[1], device, fused, _fused_clip)]
+    initial = [scaler.get_scale() for scaler in scalers]
+    for step in _progress(range(steps), steps, desc):
+        for run in (runs if step % 2 == 0 else runs[::-1]):
+            run.step(step in overflow_at)
+    return [run.summary(scale) for run, scale in zip(runs, initial)]
 
 
 def _trajectory(scales: list[float]) -> str:
@@ -88,14 +121,13 @@ def compare(device: torch.device, steps: int, fused: bool) -> list[str]:
     and returns what differs other than speed."""
     overflow_at = {20, 21, 150}
     kwargs: dict[str, Any] = dict(init_scale=2.0**24, growth_interval=50)
-    backend = "triton" if device.type == "cuda" else "reference"
-    print(f"\n== AdamW fused={fused}: {steps} steps on {device}, clipping at norm 1.0 (torch: "
-          f"unscale_ + clip_grad_norm_; ours: scaler.clip_grad_norm_), overflows injected at "
+    backend = demo_backend(device)
+    print(f"\n== AdamW fused={fused}: {steps} steps, clipping at norm 1.0 (torch: unscale_ + "
+          f"clip_grad_norm_; ours: scaler.clip_grad_norm_), overflows planted at "
           f"{sorted(overflow_at)}")
-    runs = [train_run(torch.amp.GradScaler(device.type, **kwargs), device, steps, overflow_at,
-                      fused, "torch.amp.GradScaler"),
-            train_run(GradScaler(device.type, **kwargs), device, steps, overflow_at, fused,
-                      f"triton_scaler ({backend})", clip=_fused_clip)]
+    runs = train_pair((torch.amp.GradScaler(device.type, **kwargs),
+                       GradScaler(device.type, **kwargs)), device, steps, overflow_at, fused,
+                      f"AdamW fused={fused}")
     rows = [("final loss", "final_loss", "{:.6f}"), ("final scale", None, "{:g}"),
             ("skipped steps", "skipped", "{}"), ("step time (ms)", "ms_per_step", "{:.3f}"),
             ("host syncs / step", "syncs_per_step", "{:.2f}")]
@@ -120,13 +152,33 @@ def compare(device: torch.device, steps: int, fused: bool) -> list[str]:
     return differences
 
 
-def main(steps: int = 300) -> int:
+def demo_backend(device: torch.device) -> str:
+    """The backend ``GradScaler(device.type)`` runs with ``backend="auto"``."""
+    return "triton" if device.type == "cuda" and triton_available() else "reference"
+
+
+def main(steps: int = 300, threads: int = 1) -> int:
+    """Run the demo; returns 0 when the two scalers agree (1 otherwise). ``threads``: torch's
+    intra-op threads while it runs (fixed, so that the step times are comparable)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = demo_backend(device)
     print(f"triton_scaler demo: mixed-precision training with torch.amp.GradScaler and "
-          f"triton_scaler.GradScaler side by side (torch {torch.__version__})")
-    differences = []
-    for fused in (False, True):
-        differences += [f"{d} (fused={fused})" for d in compare(device, steps, fused)]
+          f"triton_scaler.GradScaler side by side\n"
+          f"device {device}, backend {backend}, autocast {autocast_dtype(device)}, "
+          f"torch {torch.__version__}, {threads} CPU thread(s); the two runs are timed "
+          "interleaved, step by step")
+    if backend == "reference":
+        print("On this device both scalers run torch's own unscale op (the reference "
+              "backend): expect the same results and about the same speed. The Triton kernels "
+              "run on CUDA.")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        differences = []
+        for fused in (False, True):
+            differences += [f"{d} (fused={fused})" for d in compare(device, steps, fused)]
+    finally:
+        torch.set_num_threads(previous_threads)
     print("\ndifferences (other than speed): " + (", ".join(differences) or
           "none: identical scale trajectories and skipped steps"))
     return 1 if differences else 0

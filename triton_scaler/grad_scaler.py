@@ -112,13 +112,24 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
 
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]
               ) -> torch.Tensor | Iterable[torch.Tensor]:
-        """Multiply a tensor, or a (nested) list / tuple / iterable of tensors, by the scale,
-        as torch (an iterable that is not a list or tuple comes back as a lazy ``map``). The
-        structure is checked first: a string, a dict or a non-tensor leaf raises
-        ``ScaleOutputsError``, a ``TypeError`` and, as torch's error, a ``ValueError``.
+        """Multiply outputs (usually the loss) by the scale, as torch's ``scale``.
+
         The gradient buckets learn that a backward follows (their O(1) check then sees a
         grad that it makes outside its view even after ``zero_grad(set_to_none=False)``).
-        No host sync."""
+
+        Args:
+            outputs: a tensor, or a (nested) list / tuple / iterable of tensors.
+
+        Returns:
+            The scaled outputs, in the same structure (an iterable that is not a list or
+            tuple comes back as a lazy ``map``, as torch's); unscaled when disabled.
+
+        Raises:
+            ScaleOutputsError: a string, a dict or a non-tensor leaf (a ``TypeError`` and,
+                as torch's error, a ``ValueError``).
+
+        .. note:: Does not synchronise with the host.
+        """
         if not self._enabled:
             return super().scale(outputs)
         before_backward()
@@ -177,8 +188,20 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
     @eager_under_compile
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the optimizer's grads in place and record whether any is non-finite.
-        One fused launch per bucket / (device, dtype) group. No host sync. Disabled: only
-        GradBuckets' grads are settled (``None`` where no gradient came), as when enabled."""
+
+        One fused launch per gradient bucket and per (device, dtype) group of the other grads.
+        Disabled: only GradBuckets' grads are settled (``None`` where no gradient came).
+
+        Args:
+            optimizer: the optimizer whose grads to unscale.
+
+        Raises:
+            RuntimeError: torch's errors for ``unscale_`` twice before :meth:`update` or after
+                :meth:`step`; the ops' errors for grads they refuse (nothing written).
+            ValueError: float16 grads (``"Attempting to unscale FP16 gradients."``), as torch.
+
+        .. note:: Does not synchronise with the host.
+        """
         if not self._enabled:
             attach_bucket_grads(optimizer)
             return
@@ -227,10 +250,28 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
 
     @eager_under_compile
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
-        """Unscale (unless :meth:`unscale_` ran) and call ``optimizer.step()`` unless a grad is
-        non-finite. Plain optimizers: one host sync. Fused optimizers
-        (``_step_supports_amp_scaling``): a read-only check, ``grad_scale`` / ``found_inf``
-        (exactly 0.0 or 1.0) handed to the optimizer, which skips on the device; no sync."""
+        """Unscale (unless :meth:`unscale_` ran) and step the optimizer unless a grad overflowed.
+
+        Fused optimizers (``_step_supports_amp_scaling``) get a read-only check and
+        ``grad_scale`` / ``found_inf`` (exactly 0.0 or 1.0); they always step and skip on the
+        device.
+
+        Args:
+            optimizer: the optimizer to step.
+            *args: passed to ``optimizer.step``.
+            **kwargs: passed to ``optimizer.step`` (no ``closure``, as torch).
+
+        Returns:
+            ``optimizer.step()``'s return value, or None when the step was skipped.
+
+        Raises:
+            RuntimeError: torch's errors for ``step`` twice before :meth:`update` or a
+                ``closure`` argument.
+            AssertionError: no inf checks were recorded for this optimizer (no grads).
+
+        .. note:: Plain optimizers: one host sync (the flag read torch also makes). Fused
+            optimizers: none.
+        """
         if not self._enabled:  # GradBuckets: a parameter with no gradient has grad None
             attach_bucket_grads(optimizer)
             return optimizer.step(*args, **kwargs)
@@ -254,10 +295,24 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
 
     @eager_under_compile
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Update the scale from this iteration's overflow flags, on the device: torch's rule
-        plus hysteresis, min / max scale and static scaling. Also records
-        :attr:`last_step_skipped` and :attr:`skipped_steps`. No host sync (unless
-        ``raise_at_min_scale=True``: one flag read). ``new_scale`` sets the scale as torch."""
+        """Update the scale from this iteration's overflow flags, on the device.
+
+        torch's rule plus hysteresis, min / max scale and static scaling, in one launch; also
+        records :attr:`last_step_skipped` and :attr:`skipped_steps`.
+
+        Args:
+            new_scale: set the scale to this value instead, as torch's (a number is checked
+                as ``init_scale``; a tensor is taken as it is).
+
+        Raises:
+            MinScaleReachedError: with ``raise_at_min_scale=True``, an overflow backed off at
+                ``min_scale`` (raised after the update is complete).
+            ValueError, TypeError: a bad numeric ``new_scale`` (nothing changed).
+            AssertionError: no inf checks were recorded in this iteration, as torch.
+
+        .. note:: Does not synchronise with the host, except with
+            ``raise_at_min_scale=True`` (one flag read).
+        """
         if not self._enabled:
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")

@@ -145,7 +145,7 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
         for group in group_grads(grads, found_inf.device, plain):
             unscale_group_(group, found_inf, inv_scale, "reference", write)
     if mesh_groups:  # as torch's op under DTensor dispatch, over the union of the grads'
-        # sharded dimensions (torch's: its first grad's; README, "Exactness")
+        # sharded dimensions (torch's: its first grad's; docs/distributed.md)
         agree_over_meshes({found_inf.device: found_inf}, {found_inf.device: mesh_groups})
 
 
@@ -167,9 +167,16 @@ def non_finite_check_and_unscale_(
         found_inf: one-element float32 tensor; set to exactly 1.0 when an input element or its
             product is non-finite, otherwise left untouched (callers zero it).
         inv_scale: one-element float32 tensor on the same device.
-        backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+        backend: ``"auto"`` (Triton for CUDA tensors, the reference path otherwise),
+            ``"reference"`` or ``"triton"``.
 
-    Does not synchronise with the host.
+    Raises:
+        TypeError: a grad of another dtype, sparse or nested; ``grads`` a single tensor;
+            ``found_inf`` / ``inv_scale`` not a one-element float32 tensor.
+        ValueError: tensors on different devices, or an unknown ``backend``.
+        RuntimeError: on the Triton backend, grads that partly share memory (nothing written).
+
+    .. note:: Does not synchronise with the host.
     """
     _unscale_or_check(grads, found_inf, inv_scale, backend, write=True)
 
@@ -182,16 +189,40 @@ def non_finite_check_(
     *,
     backend: Backend = "auto",
 ) -> None:
-    """Read-only variant of :func:`non_finite_check_and_unscale_`: sets ``found_inf = 1.0``
-    when an element of ``grads`` (or its product with ``inv_scale``) is non-finite, and leaves
-    the grads unchanged. For optimizers that unscale inside their own kernel. No host sync."""
+    """Read-only variant of :func:`non_finite_check_and_unscale_`, for optimizers that unscale
+    inside their own kernel: one read of each grad, which is left unchanged.
+
+    Args:
+        grads: as :func:`non_finite_check_and_unscale_`.
+        found_inf: one-element float32 tensor; set to exactly 1.0 when an element of ``grads``
+            or its product with ``inv_scale`` is non-finite, otherwise left untouched.
+        inv_scale: one-element float32 tensor on the same device.
+        backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+
+    Raises:
+        TypeError, ValueError: as :func:`non_finite_check_and_unscale_`.
+
+    .. note:: Does not synchronise with the host.
+    """
     _unscale_or_check(grads, found_inf, inv_scale, backend, write=False)
 
 
 @eager_under_compile
 def all_finite(tensors: Sequence[torch.Tensor], *, backend: Backend = "auto") -> torch.Tensor:
-    """0-d bool tensor, on the tensors' device (CPU for an empty list): True when every element
-    of every tensor is finite (MindSpore / jmp ``all_finite``). Computed on the device, no sync."""
+    """Whether every element of every tensor is finite (MindSpore's / jmp's ``all_finite``).
+
+    Args:
+        tensors: float32 / float16 / bfloat16 / float64 tensors on one device.
+        backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+
+    Returns:
+        A 0-d bool tensor on the tensors' device (CPU for an empty list).
+
+    Raises:
+        TypeError, ValueError: as :func:`non_finite_check_and_unscale_`.
+
+    .. note:: Computed on the device; does not synchronise with the host.
+    """
     tensors = as_tensor_list(tensors, "tensors")
     device = tensors[0].device if tensors else torch.device("cpu")
     found = torch.zeros((), dtype=torch.float32, device=device)
@@ -231,12 +262,30 @@ def update_scale_(
     at ``max_scale``.
 
     Args:
-        scale: 0-d float32 tensor. growth_tracker: 0-d int32 tensor. found_inf: 0-d float32.
-            All on one device.
-        params: optional precomputed :meth:`ScalePolicy.kernel_params` buffer (Triton backend); when given
-            the kernel reads the factors from it, so changes to it take effect in CUDA graphs.
+        scale: 0-d float32 tensor, updated in place.
+        growth_tracker: 0-d int32 tensor on ``scale``'s device.
+        found_inf: 0-d float32 tensor on ``scale``'s device; non-zero (NaN too) is an overflow.
+        growth_factor: finite, > 1.
+        backoff_factor: in ``[2**-126, 1)``.
+        growth_interval: int >= 1.
+        hysteresis_tracker: 0-d int32 tensor, or None for no hysteresis.
+        hysteresis: the tracker's refill value, int >= 1.
+        consecutive_hysteresis: refill on every clean step, not only on growth.
+        min_scale: floor of the backoff (0: none, as torch).
+        max_scale: cap of the growth.
+        backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+        params: optional precomputed :meth:`ScalePolicy.kernel_params` buffer (Triton
+            backend); the kernel then reads the factors from it, so changes to it take effect
+            in CUDA graphs.
 
-    Does not synchronise with the host.
+    Returns:
+        ``scale``, as torch's op.
+
+    Raises:
+        TypeError: a tensor of the wrong dtype, or a setting of the wrong type.
+        ValueError: tensors on different devices, or a setting out of range (named).
+
+    .. note:: Does not synchronise with the host.
     """
     policy = cached_policy(growth_factor=growth_factor, backoff_factor=backoff_factor,
                            growth_interval=growth_interval, hysteresis=hysteresis,

@@ -36,7 +36,10 @@ class SkipAwareScheduler:
 
     def step(self) -> None:
         """Queue the flag of the step just taken and step the scheduler for every resolved,
-        applied step. Never synchronises with the device."""
+        applied step. Call it after every ``scaler.update()``.
+
+        .. note:: Never synchronises with the device.
+        """
         flag = self.scaler.last_step_skipped
         if flag.is_cuda:
             self._pending.append(copy_to_host_async(flag))
@@ -45,7 +48,10 @@ class SkipAwareScheduler:
         self._resolve(wait=False)
 
     def flush(self) -> None:
-        """Wait for every pending flag and apply it (synchronises)."""
+        """Wait for every pending flag and apply it.
+
+        .. note:: Synchronises with the device (waits for the pending copies).
+        """
         self._resolve(wait=True)
 
     def _resolve(self, *, wait: bool) -> None:
@@ -60,10 +66,21 @@ class SkipAwareScheduler:
                 self.scheduler.step()
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped scheduler's state after :meth:`flush`."""
+        """The wrapped scheduler's state.
+
+        Returns:
+            ``scheduler.state_dict()`` after :meth:`flush`.
+
+        .. note:: Synchronises (through :meth:`flush`).
+        """
         self.flush()
         return self.scheduler.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the wrapped scheduler's state and drop the pending flags.
+
+        Args:
+            state_dict: from :meth:`state_dict`.
+        """
         self._pending.clear()
         self.scheduler.load_state_dict(state_dict)

@@ -36,7 +36,7 @@ class ShardedGradScaler(GradScaler):
 
     With these the scale trajectory, skipped steps and parameters are those of torch's
     ``ShardedGradScaler``.
-    Different on purpose (README): the agreement is a MAX (flags exactly 0.0 / 1.0, which fused
+    Different on purpose (docs/distributed.md): the agreement is a MAX (flags exactly 0.0 / 1.0, which fused
     optimizers need; torch's sums them) and also runs on the fused-optimizer route (torch's
     agrees in ``unscale_`` only); the scale update is ``torch.amp.GradScaler``'s rule on every
     device (torch's applies a Python rule to a CPU scale, whose product with a factor that is
