@@ -21,9 +21,10 @@ from torch.amp.grad_scaler import OptState
 from . import reference
 from ._backend import resolve_backend, triton_kernels
 from ._distributed import MeshLayout, agree_over_meshes, mesh_layout
-from ._eager import eager_under_compile
 from ._grads import PerDevice, grad_groups
 from ._norms import combine_partials, grad_norm, reference_total_norm
+from ._traced import clip_grad_norm_ as _traced_clip
+from ._traced import traced_under_compile
 from .buckets import attach_bucket_grads, buckets_of
 from .ops import refuse_overlapping_writes
 
@@ -128,7 +129,7 @@ class ClipMixin(_ScalerStep):
 
         def _ready_to_unscale(self, optimizer: torch.optim.Optimizer, funcname: str) -> dict: ...
 
-    @eager_under_compile  # traced, the Triton launches fail
+    @traced_under_compile(_traced_clip)
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,
                         norm_type: float | str = 2.0, error_if_nonfinite: bool = False, *,
                         sharded: bool | None = None) -> torch.Tensor:

@@ -26,3 +26,10 @@ def eager_under_compile(method: _Method) -> _Method:
             return disable(method, recursive=True)(*args, **kwargs)
         return method(*args, **kwargs)
     return cast(_Method, wrapper)  # the method's own signature, for type checkers
+
+
+def run_eagerly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` eagerly from code that dynamo traces: a graph break."""
+    from torch._dynamo import disable
+
+    return disable(fn, recursive=True)(*args, **kwargs)

@@ -7,7 +7,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState
 
 from ._backend import Backend
 from ._eager import eager_under_compile
@@ -28,6 +28,12 @@ if TYPE_CHECKING:  # the mixins are parts of GradScaler: checked as torch's clas
     _TorchGradScaler = torch.amp.GradScaler  # attributes they use
 else:
     _TorchGradScaler = object
+
+
+def fresh_optimizer_state() -> dict[str, Any]:
+    """An optimizer's state at the start of an iteration, as torch's
+    ``_refresh_per_optimizer_state`` (ours: code that dynamo traces may call it)."""
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
 def _key(key: str) -> str:
@@ -61,6 +67,7 @@ class ScalerStateMixin(_TorchGradScaler):
     _growth_interval = _policy_field("growth_interval")
 
     def _init_extension_state(self) -> None:
+        self._per_optimizer_states = defaultdict(fresh_optimizer_state)
         self._init_hysteresis_tracker = self._policy.hysteresis
         self._init_skipped_steps = 0
         self._hysteresis_tracker_state: torch.Tensor | None = None
@@ -79,6 +86,11 @@ class ScalerStateMixin(_TorchGradScaler):
     @eager_under_compile  # its device tensors and views made eagerly, never traced
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
+        self._init_device_state(dev, self._policy.kernel_params(dev).clone())
+
+    def _init_device_state(self, dev: torch.device, params: torch.Tensor) -> None:
+        """The device state beside torch's ``_scale`` and ``_growth_tracker`` (made just
+        before); ``params``: the policy's float64 settings on ``dev``, the scaler's own copy."""
         # One buffer: [scale, found_inf flag per optimizer ...]. update() reads and zeroes the
         # flags in its one launch; step() copies scale and a flag to the host in one read.
         buffer = torch.zeros(1 + FOUND_INF_SLOTS, dtype=torch.float32, device=dev)
@@ -96,7 +108,7 @@ class ScalerStateMixin(_TorchGradScaler):
         self._last_step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
         # what update()'s kernel writes: the flag's byte, viewed once (not a view per step)
         self._last_step_skipped_bytes = self._last_step_skipped.view(torch.uint8)
-        self._params_t = self._policy.kernel_params(dev).clone()
+        self._params_t = params
 
     def _set_policy(self, policy: ScalePolicy) -> None:
         """Swap in a validated policy; the kernel's parameter buffer is updated in place, so a
@@ -143,7 +155,7 @@ class ScalerStateMixin(_TorchGradScaler):
 
     def _reset_iteration(self) -> None:
         """Forget this iteration's per-optimizer states; the flags are zero again."""
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states = defaultdict(fresh_optimizer_state)
         self._slots_taken = 0
 
     @property

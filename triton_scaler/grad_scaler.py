@@ -12,7 +12,7 @@ from typing import Any, overload
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
-from . import ops, reference
+from . import _traced, ops, reference
 from ._arguments import check_device, check_outputs, check_process_group
 from ._backend import Backend, check_backend
 from ._bucket import before_backward
@@ -22,6 +22,7 @@ from ._eager import eager_under_compile
 from ._grads import PerDevice, grad_groups
 from ._state import ScalerStateMixin
 from ._step import StepMixin
+from ._traced import traced_under_compile
 from .buckets import attach_bucket_grads
 from .policy import ScalePolicy, check_scale_value
 
@@ -110,6 +111,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
     @overload
     def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
 
+    @traced_under_compile(_traced.scale)
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]
               ) -> torch.Tensor | Iterable[torch.Tensor]:
         """Multiply outputs (usually the loss) by the scale, as torch's ``scale``.
@@ -185,7 +187,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
             per_device_found_inf.get(found_inf.device)  # no grads here: join the agreement, 0
         return per_device_found_inf._per_device_tensors
 
-    @eager_under_compile
+    @traced_under_compile(_traced.unscale_)
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the optimizer's grads in place and record whether any is non-finite.
 
@@ -230,7 +232,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
             raise RuntimeError("unscale_() is being called after step().")
         return state
 
-    @eager_under_compile  # as torch's (dynamo skips torch.amp)
+    @traced_under_compile(_traced.check_inf_per_device)
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """Read-only inf/NaN check of the optimizer's grads (the fused-optimizer route)."""
         self._check_scale_growth_tracker("_check_inf_per_device")
@@ -248,7 +250,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         state.pop("found_inf_agreed", None)
         return state["found_inf_per_device"]
 
-    @eager_under_compile
+    @traced_under_compile(_traced.step)
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
         """Unscale (unless :meth:`unscale_` ran) and step the optimizer unless a grad overflowed.
 
@@ -293,7 +295,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         state["stage"] = OptState.STEPPED
         return retval
 
-    @eager_under_compile
+    @traced_under_compile(_traced.update)
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from this iteration's overflow flags, on the device.
 

@@ -8,8 +8,11 @@
 None of these functions synchronises with the host. ``backend`` is ``"auto"`` (Triton for CUDA
 tensors when triton is importable, else the pure-PyTorch reference), ``"reference"`` or
 ``"triton"``. On Triton, calls on grads at the addresses of one of the last eight grad lists,
-laid out as those were, launch that list's plans again (:mod:`._ops_plans`). Called from code
-that ``torch.compile`` compiles, each runs eagerly (a graph break), as GradScaler's methods.
+laid out as those were, launch that list's plans again (:mod:`._ops_plans`).
+
+Called from code that ``torch.compile`` compiles, each is traced as its registered torch op
+(:mod:`._library`), which runs the same implementation at run time; grads that are tensor
+subclasses (DTensor) run eagerly there instead, a graph break.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch
 from . import reference
 from ._backend import Backend, resolve_backend, triton_kernels
 from ._distributed import add_groups, agree_over_meshes, local_grad
-from ._eager import eager_under_compile
+from ._eager import run_eagerly
+from ._library import ops_namespace
 from ._op_args import (
     PLAIN,
     as_tensor_list,
@@ -112,7 +116,8 @@ def bind_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags:
     return reference_update
 
 
-def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
+def unscale_or_check(grads, found_inf, inv_scale, backend, write):
+    """The public ops' work, arguments checked (the registered ops' implementation)."""
     grads = as_tensor_list(grads)
     check_flag("found_inf", found_inf, torch.float32)
     check_flag("inv_scale", inv_scale, torch.float32)
@@ -149,7 +154,6 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write):
         agree_over_meshes({found_inf.device: found_inf}, {found_inf.device: mesh_groups})
 
 
-@eager_under_compile
 def non_finite_check_and_unscale_(
     grads: Sequence[torch.Tensor],
     found_inf: torch.Tensor,
@@ -178,10 +182,12 @@ def non_finite_check_and_unscale_(
 
     .. note:: Does not synchronise with the host.
     """
-    _unscale_or_check(grads, found_inf, inv_scale, backend, write=True)
+    if torch.compiler.is_dynamo_compiling():
+        _traced(grads, found_inf, inv_scale, backend, write=True)
+        return
+    unscale_or_check(grads, found_inf, inv_scale, backend, write=True)
 
 
-@eager_under_compile
 def non_finite_check_(
     grads: Sequence[torch.Tensor],
     found_inf: torch.Tensor,
@@ -204,10 +210,25 @@ def non_finite_check_(
 
     .. note:: Does not synchronise with the host.
     """
-    _unscale_or_check(grads, found_inf, inv_scale, backend, write=False)
+    if torch.compiler.is_dynamo_compiling():
+        _traced(grads, found_inf, inv_scale, backend, write=False)
+        return
+    unscale_or_check(grads, found_inf, inv_scale, backend, write=False)
 
 
-@eager_under_compile
+def _traced(grads, found_inf, inv_scale, backend, write):
+    """Under ``torch.compile``: the registered op, or (tensor subclasses, a single tensor, a
+    bad backend) the eager implementation, a graph break."""
+    if isinstance(grads, (list, tuple)) and isinstance(backend, str):
+        grads = list(grads)
+        if all(type(g) in PLAIN for g in grads):
+            op = (ops_namespace.non_finite_check_and_unscale_ if write
+                  else ops_namespace.non_finite_check_)
+            op(grads, found_inf, inv_scale, backend)
+            return
+    run_eagerly(unscale_or_check, grads, found_inf, inv_scale, backend, write)
+
+
 def all_finite(tensors: Sequence[torch.Tensor], *, backend: Backend = "auto") -> torch.Tensor:
     """Whether every element of every tensor is finite (MindSpore's / jmp's ``all_finite``).
 
@@ -231,7 +252,6 @@ def all_finite(tensors: Sequence[torch.Tensor], *, backend: Backend = "auto") ->
     return found == 0
 
 
-@eager_under_compile
 def update_scale_(
     scale: torch.Tensor,
     growth_tracker: torch.Tensor,
@@ -287,6 +307,14 @@ def update_scale_(
 
     .. note:: Does not synchronise with the host.
     """
+    if torch.compiler.is_dynamo_compiling() and _numbers(
+            (growth_factor, backoff_factor, min_scale, max_scale), (growth_interval, hysteresis),
+            (consecutive_hysteresis,)) and isinstance(backend, str):
+        ops_namespace.update_scale_(scale, growth_tracker, found_inf, hysteresis_tracker,
+                                    float(growth_factor), float(backoff_factor), growth_interval,
+                                    hysteresis, consecutive_hysteresis, float(min_scale),
+                                    float(max_scale), backend, params)
+        return scale
     policy = cached_policy(growth_factor=growth_factor, backoff_factor=backoff_factor,
                            growth_interval=growth_interval, hysteresis=hysteresis,
                            consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
@@ -296,14 +324,27 @@ def update_scale_(
     return scale
 
 
-@eager_under_compile
+def _numbers(reals: tuple, ints: tuple, bools: tuple) -> bool:
+    """Whether the settings are Python numbers of their kinds, which the registered ops take
+    (anything else is validated, and refused with its name, by the eager implementation)."""
+    return all(type(v) in (int, float) for v in reals) and \
+        all(type(v) is int for v in ints) and all(type(v) is bool for v in bools)
+
+
 def update_with_policy_(scale: torch.Tensor, growth_tracker: torch.Tensor,
                         found_inf: torch.Tensor, policy: ScalePolicy, *,
                         hysteresis_tracker: torch.Tensor | None = None,
                         backend: Backend = "auto", params: torch.Tensor | None = None) -> None:
     """:func:`update_scale_` with its settings as a validated :class:`ScalePolicy` (the
     DeepSpeed- and MindSpore-style scalers' call; :class:`GradScaler` binds its update once,
-    :func:`bind_scaler_update`). ``hysteresis_tracker`` None: no hysteresis. No host sync."""
+    :func:`bind_scaler_update`). ``hysteresis_tracker`` None: no hysteresis. No host sync.
+    Traced under ``torch.compile`` as the registered ``update_scale_`` op."""
+    if torch.compiler.is_dynamo_compiling() and isinstance(backend, str):
+        ops_namespace.update_scale_(
+            scale, growth_tracker, found_inf, hysteresis_tracker, policy.growth_factor,
+            policy.backoff_factor, policy.growth_interval, policy.hysteresis,
+            policy.consecutive_hysteresis, policy.min_scale, policy.max_scale, backend, params)
+        return
     check_flag("scale", scale, torch.float32)
     check_flag("growth_tracker", growth_tracker, torch.int32)
     check_flag("found_inf", found_inf, torch.float32)
