@@ -62,7 +62,9 @@ def _update_scale_impl(scale: torch.Tensor, growth_tracker: torch.Tensor,
                            consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
                            max_scale=max_scale)
     update_with_policy_(scale, growth_tracker, found_inf, policy,
-                        hysteresis_tracker=hysteresis_tracker, backend=backend, params=params)
+                        hysteresis_tracker=hysteresis_tracker,
+                        backend=backend,  # type: ignore[arg-type]  # checked there
+                        params=params)
 
 
 def _scaler_update_impl(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
