@@ -28,8 +28,10 @@ def eager_under_compile(method: _Method) -> _Method:
     return cast(_Method, wrapper)  # the method's own signature, for type checkers
 
 
-def run_eagerly(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn`` eagerly from code that dynamo traces: a graph break."""
+def run_eagerly(fn: Callable[..., Any], *args: Any, recursive: bool = True, **kwargs: Any) -> Any:
+    """Call ``fn`` eagerly from code that dynamo traces: a graph break. ``recursive=False``:
+    only ``fn``'s own frame; dynamo still compiles the frames it calls (an optimizer's step,
+    as it does when torch's scaler calls it)."""
     from torch._dynamo import disable
 
-    return disable(fn, recursive=True)(*args, **kwargs)
+    return disable(fn, recursive=recursive)(*args, **kwargs)

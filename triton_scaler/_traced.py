@@ -12,9 +12,10 @@ a ``process_group``, ``raise_at_min_scale=True`` or a subclass's own ``_unscale_
 grads that are tensor subclasses (DTensor) or sparse; ``clip_grad_norm_`` with
 ``error_if_nonfinite=True``, ``sharded=True`` or a ``norm_type`` other than 2 and inf.
 :func:`step` traces the unscale / check and the found_inf agreement, then calls the optimizer
-in an eager helper (a graph break): a fused optimizer gets ``grad_scale`` / ``found_inf`` there
-and skips on the device (no host read); any other optimizer is stepped unless the one flag
-read that torch's scaler also makes finds an overflow.
+from an eager helper (a graph break; dynamo still compiles the optimizer's own step frame, as
+under torch's scaler): a fused optimizer gets ``grad_scale`` / ``found_inf`` there and skips
+on the device (no host read); any other optimizer is stepped unless the one flag read that
+torch's scaler also makes finds an overflow.
 
 With GradBuckets the grads are unscaled as the views they are (one op call per dtype); a
 parameter in a bucket that received no gradient keeps its zero view as its grad (eager code
@@ -274,7 +275,8 @@ def step(scaler: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwa
             found = scaler._agree_found_inf(state)
         else:
             found = torch.zeros((), dtype=torch.float32, device=scaler._scale.device)
-        retval = run_eagerly(_fused_optimizer_step, optimizer, grad_scale, found, args, kwargs)
+        retval = run_eagerly(_fused_optimizer_step, optimizer, grad_scale, found, args, kwargs,
+                             recursive=False)
     else:
         if state["stage"] is OptState.READY:
             unscale_(scaler, optimizer)
@@ -282,7 +284,7 @@ def step(scaler: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwa
             raise AssertionError("No inf checks were recorded for this optimizer.")
         if scaler._policy.skip_on_overflow:
             retval = run_eagerly(_plain_optimizer_step, scaler, optimizer,
-                                 scaler._agree_found_inf(state), args, kwargs)
+                                 scaler._agree_found_inf(state), args, kwargs, recursive=False)
         else:
             retval = optimizer.step(*args, **kwargs)
     state["stage"] = OptState.STEPPED
