@@ -10,9 +10,9 @@ arrangements timed in one run:
 
 Each step is ``forward -> loss -> scale -> backward -> clip -> step -> update -> zero_grad``,
 fp16 autocast on CUDA, bf16 on the CPU, a fused AdamW. Reported per arrangement: the median
-step time, its ratio to ``torch best``, the graphs and graph breaks of the step as
-``torch._dynamo.explain`` counts them, and the scaler's host syncs per step (the optimizer's
-own excluded)::
+step time, its ratio to ``torch best``, the graphs and graph breaks that
+``torch._dynamo.explain`` finds when the whole step is compiled with that scaler, and the
+host reads per step (``Tensor.item`` and the like; the optimizer's own excluded)::
 
     python benchmarks/compiled_step.py                 # CPU (inductor) or CUDA, default sizes
     python benchmarks/compiled_step.py --layers 2 --steps 3 --smoke   # plumbing check
@@ -95,39 +95,51 @@ def make_step(arrangement: str, args: argparse.Namespace, device: torch.device):
         scale = torch.compile(scaler.scale, fullgraph=True, mode=mode)
         post = torch.compile(post_ours, mode=mode)
 
-    def step(idx: torch.Tensor, target: torch.Tensor, overflow: bool = False) -> None:
-        with torch.autocast(device.type, dtype=dtype):
-            logits = forward(idx)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
-        scale(loss * (math.inf if overflow else 1.0)).backward()
-        post()
-        opt.zero_grad(set_to_none=True)
+    def arranged(forward, scale, post):
+        def step(idx: torch.Tensor, target: torch.Tensor, overflow: bool = False) -> None:
+            with torch.autocast(device.type, dtype=dtype):
+                logits = forward(idx)
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                     target.flatten())
+            scale(loss * (math.inf if overflow else 1.0)).backward()
+            post()
+            opt.zero_grad(set_to_none=True)
+        return step
 
-    return model, opt, scaler, step
+    # the step as timed, and the same step with nothing compiled in it (what
+    # torch._dynamo.explain is given: the graphs and breaks of compiling it whole)
+    plain = arranged(model, scaler.scale, post_ours if ours else post_torch)
+    return model, opt, scaler, arranged(forward, scale, post), plain
 
 
 def measure(arrangement: str, args: argparse.Namespace, device: torch.device) -> dict:
+    """Step time, host syncs per step and (for the compiled arrangements) what
+    ``torch._dynamo.explain`` finds in the whole step."""
     torch._dynamo.reset()
-    model, opt, scaler, step = make_step(arrangement, args, device)
+    model, opt, scaler, step, plain = make_step(arrangement, args, device)
     gen = torch.Generator(device=device).manual_seed(1)
     batch = [torch.randint(args.vocab, (args.batch, args.seq), device=device, generator=gen)
              for _ in range(2)]
-    for i in range(args.warm_up):  # compilation, and one skipped step (an overflow)
-        step(*batch, overflow=i == 1)
-    explanation = None
-    if arrangement != "torch eager":
-        explanation = torch._dynamo.explain(step)(*batch)
-    times, syncs = [], 0
-    for _ in range(args.steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with count_host_syncs() as counter, optimizer_step_uncounted(opt, counter):
+    times = []
+    # counted from the start, so that the compiled code is specialised with the counters in
+    # place (patching them later would recompile it inside the timed steps)
+    with count_host_syncs() as counter, optimizer_step_uncounted(opt, counter):
+        for i in range(args.warm_up):  # compilation, and one skipped step (an overflow)
+            step(*batch, overflow=i == 1)
+        counter.count = 0
+        for _ in range(args.steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
             step(*batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        syncs += counter.count
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        syncs = counter.count
+    explanation = None
+    if arrangement in ("torch best", "ours compiled"):
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(plain)(*batch)
     return {"ms": 1e3 * statistics.median(times), "syncs": syncs / args.steps,
             "graphs": explanation.graph_count if explanation else None,
             "breaks": explanation.graph_break_count if explanation else None,

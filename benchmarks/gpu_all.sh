@@ -11,8 +11,10 @@
 #             benchmarks/_step_timeline.py: one step's ops, CUDA calls and kernels
 #     suite   the pytest-benchmark suites (benchmarks/test_bench_*.py) at full sizes
 #             (suite.json, for benchmarks/plot.py; 67 s on an H200)
-#     all     tests, launcher, bench, profile, then suite (default): about 390 s on the H200
-#             (317 s without the suite)
+#     compiled benchmarks/compiled_step.py: a small transformer's full step, torch's scaler
+#             against ours compiled and under mode="reduce-overhead" (compiled.log)
+#     all     tests, launcher, bench, profile, suite, then compiled (default): about 390 s on
+#             the H200 without compiled (317 s without the suite)
 # Everything goes under OUT_DIR (default: $OUT when set, else benchmarks/results/gpu; on a machine
 # that hands back only a few files, give a folder under /tmp and archive it), with
 # summary.txt: device, versions, date and each part's outcome (failed tests listed). Each part
@@ -23,7 +25,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-all}
-[[ $part == all ]] && part=tests,launcher,bench,profile,suite
+[[ $part == all ]] && part=tests,launcher,bench,profile,suite,compiled
 wants() { [[ ,$part, == *,$1,* ]]; }
 out=${2:-${OUT:-benchmarks/results/gpu}}
 mkdir -p "$out"
@@ -109,5 +111,9 @@ if wants suite; then
   run_part suite 150 env TRITON_SCALER_BENCH_SIZES=full python -m pytest -q \
     -p no:cacheprovider benchmarks/test_bench_*.py --benchmark-enable \
     --benchmark-json="$out/suite.json"
+fi
+if wants compiled; then
+  run_part compiled 180 python benchmarks/compiled_step.py
+  grep "^|\|^full training step" "$out/compiled.log" >> "$summary"
 fi
 echo "everything is under $out"

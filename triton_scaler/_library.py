@@ -18,7 +18,11 @@ The ops, each the registered form of the function named:
   params)``, mutating the scale and the trackers: :func:`triton_scaler.ops.update_scale_`;
 * ``scaler_update_(scale, growth_tracker, flags, hysteresis_tracker, skipped, skipped_count,
   params, <settings>, backend)``, mutating all but ``params``: the one launch of
-  :meth:`triton_scaler.GradScaler.update`.
+  :meth:`triton_scaler.GradScaler.update`;
+* ``before_backward_(token)``: the host-side note that :meth:`triton_scaler.GradScaler.scale`
+  gives gradient buckets (a backward follows), run where the traced ``scale`` runs. It writes
+  nothing; ``token`` (an empty tensor the scaler holds) is declared mutated so that the op is
+  kept in the graph, in order.
 
 Importing this module registers the ops (once per process; a second import finds them).
 """
@@ -87,6 +91,12 @@ def _scaler_update_impl(scale: torch.Tensor, growth_tracker: torch.Tensor, flags
                        skipped_count=skipped_count, backend=backend, params=params)()
 
 
+def _before_backward_impl(token: torch.Tensor) -> None:
+    from ._bucket import before_backward
+
+    before_backward()
+
+
 def _nothing(*args, **kwargs) -> None:
     """The fake implementation of every op: each returns nothing and mutates its arguments
     in place, which keeps their shapes, dtypes and devices."""
@@ -105,6 +115,8 @@ _define("non_finite_check_", ("found_inf",), _check_impl)
 _define("update_scale_", ("scale", "growth_tracker", "hysteresis_tracker"), _update_scale_impl)
 _define("scaler_update_", ("scale", "growth_tracker", "flags", "hysteresis_tracker", "skipped",
                            "skipped_count"), _scaler_update_impl)
+
+_define("before_backward_", ("token",), _before_backward_impl)
 
 #: ``torch.ops.triton_scaler``: the registered ops, e.g. ``ops_namespace.scaler_update_``.
 ops_namespace = getattr(torch.ops, _NAMESPACE)

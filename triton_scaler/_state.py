@@ -68,6 +68,8 @@ class ScalerStateMixin(_TorchGradScaler):
 
     def _init_extension_state(self) -> None:
         self._per_optimizer_states = defaultdict(fresh_optimizer_state)
+        #: what the traced scale() hands the registered before_backward_ op (module _library)
+        self._backward_token = torch.empty(0)
         self._init_hysteresis_tracker = self._policy.hysteresis
         self._init_skipped_steps = 0
         self._hysteresis_tracker_state: torch.Tensor | None = None
@@ -359,3 +361,11 @@ class ScalerStateMixin(_TorchGradScaler):
         state["_update_bound"] = None  # holds the device tensors and a kernel: bound again
         state["_process_group"] = None  # process groups do not pickle; set it again after load
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # a pickle of an earlier version: torch's factory (dynamo cannot call it) and no token
+        self._per_optimizer_states = defaultdict(fresh_optimizer_state,
+                                                 self._per_optimizer_states)
+        if "_backward_token" not in state:
+            self._backward_token = torch.empty(0)

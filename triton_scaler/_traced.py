@@ -58,8 +58,10 @@ def _supported(name: str, scaler: GradScaler, args: tuple, kwargs: dict) -> bool
     """Whether the call ``scaler.<name>(*args, **kwargs)`` can be traced (module doc)."""
     if not traceable(scaler):
         return False
-    if name in ("scale", "update"):
+    if name == "update":
         return True
+    if name == "scale":  # tensors in (nested) lists / tuples; other iterables map lazily
+        return _lists_of_tensors(args[0] if args else kwargs.get("outputs"))
     optimizer = args[0] if args else kwargs.get("optimizer")
     if not isinstance(optimizer, torch.optim.Optimizer) or not plain_grads(optimizer):
         return False
@@ -69,6 +71,12 @@ def _supported(name: str, scaler: GradScaler, args: tuple, kwargs: dict) -> bool
             return False
         return type(norm_type) in (int, float) and norm_type in (2.0, math.inf)
     return True
+
+
+def _lists_of_tensors(outputs: Any) -> bool:
+    if isinstance(outputs, torch.Tensor):
+        return True
+    return isinstance(outputs, (list, tuple)) and all(map(_lists_of_tensors, outputs))
 
 
 def traced_under_compile(traced: Callable[..., Any]) -> Callable[[_Method], _Method]:
@@ -113,16 +121,20 @@ def check_state(scaler: GradScaler, funcname: str) -> tuple[torch.Tensor, torch.
 
 
 def scale(scaler: GradScaler, outputs: Any) -> Any:
-    """``outputs`` times the scale, as torch's ``scale``: a tensor, or nested lists / tuples."""
+    """``outputs`` times the scale, as torch's ``scale``: a tensor, or nested lists / tuples of
+    tensors (anything else runs the eager method, which checks it)."""
     if not scaler._enabled:
         return outputs
+    ops_namespace.before_backward_(scaler._backward_token)  # as the eager method: buckets
+    return _scaled(scaler, outputs)
+
+
+def _scaled(scaler: GradScaler, outputs: Any) -> Any:
     if isinstance(outputs, torch.Tensor):
         if scaler._scale is None:
             lazy_init(scaler, outputs.device)
         return outputs * scaler._scale.to(device=outputs.device, non_blocking=True)
-    if isinstance(outputs, (list, tuple)):
-        return type(outputs)(scale(scaler, value) for value in outputs)
-    raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+    return type(outputs)(_scaled(scaler, value) for value in outputs)  # lists / tuples
 
 
 def _grads_by_device(optimizer: torch.optim.Optimizer, allow_fp16: bool

@@ -23,4 +23,11 @@ def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
     level = 1
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)
+    if frame is None:
+        warnings.warn(message, category, stacklevel=level)
+        return
+    # explicit, not ``stacklevel``: under torch.compile the interpreter's own walk counts
+    # dynamo's resume frames otherwise than f_back does
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           frame.f_globals.get("__name__", "<string>"),
+                           frame.f_globals.setdefault("__warningregistry__", {}))
