@@ -114,3 +114,11 @@ def fake_process_group(world_size: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def graphs_compiled() -> int:
+    """How many graphs dynamo has compiled in this process: unchanged between two points,
+    nothing was compiled or recompiled in between (torch 2.8 to 2.13 alike)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

@@ -90,26 +90,36 @@ class ScalerStateMixin(_TorchGradScaler):
         super()._lazy_init_scale_growth_tracker(dev)
         self._init_device_state(dev, self._policy.kernel_params(dev).clone())
 
-    def _init_device_state(self, dev: torch.device, params: torch.Tensor) -> None:
+    def _init_device_state(self, dev: torch.device, params: torch.Tensor,
+                           buffered: bool = True) -> None:
         """The device state beside torch's ``_scale`` and ``_growth_tracker`` (made just
-        before); ``params``: the policy's float64 settings on ``dev``, the scaler's own copy."""
-        # One buffer: [scale, found_inf flag per optimizer ...]. update() reads and zeroes the
-        # flags in its one launch; step() copies scale and a flag to the host in one read.
-        buffer = torch.zeros(1 + FOUND_INF_SLOTS, dtype=torch.float32, device=dev)
-        buffer[:1].copy_(self._scale)
-        self._scale = buffer[0]
-        self._flags = buffer[1:]
-        self._found_slots = list(self._flags.unbind())
-        # step()'s host read of (scale, a flag): views made once, not a slice per step
-        self._host_spans = [buffer[:i + 1] for i in range(1 + FOUND_INF_SLOTS)]
+        before); ``params``: the policy's float64 settings on ``dev``, the scaler's own copy.
+        ``buffered=False`` (code traced by torch.compile makes the state): no views kept, as
+        a compiled graph's outputs may not keep them (inductor in older torch); the flags are
+        then a tensor of their own and step()'s host read stacks the scale and a flag."""
         self._slots_taken = 0
+        if buffered:
+            # One buffer: [scale, found_inf flag per optimizer ...]. update() reads and zeroes
+            # the flags in its one launch; step() copies scale and a flag to the host in one read.
+            buffer = torch.zeros(1 + FOUND_INF_SLOTS, dtype=torch.float32, device=dev)
+            buffer[:1].copy_(self._scale)
+            self._scale = buffer[0]
+            self._flags = buffer[1:]
+            self._found_slots = list(self._flags.unbind())
+            # step()'s host read of (scale, a flag): views made once, not a slice per step
+            self._host_spans = [buffer[:i + 1] for i in range(1 + FOUND_INF_SLOTS)]
+        else:
+            self._flags = torch.zeros(FOUND_INF_SLOTS, dtype=torch.float32, device=dev)
+            self._found_slots = []
+            self._host_spans = []
         self._hysteresis_tracker_state = torch.full((), self._init_hysteresis_tracker,
                                                     dtype=torch.int32, device=dev)
         self._skipped_steps_t = torch.full((), self._init_skipped_steps, dtype=torch.int64,
                                            device=dev)
         self._last_step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
-        # what update()'s kernel writes: the flag's byte, viewed once (not a view per step)
-        self._last_step_skipped_bytes = self._last_step_skipped.view(torch.uint8)
+        # what the eager update()'s kernel writes, the flag's byte: viewed there, once (code
+        # traced by torch.compile may run this, and inductor cannot view a bool as uint8)
+        self._last_step_skipped_bytes = None
         self._params_t = params
 
     def _set_policy(self, policy: ScalePolicy) -> None:
@@ -132,7 +142,7 @@ class ScalerStateMixin(_TorchGradScaler):
             return flag.zero_()
         index = 0  # its position in the [scale, flags...] buffer; 0: not in it
         if self._slots_taken < FOUND_INF_SLOTS - 1:
-            flag = self._found_slots[self._slots_taken]
+            flag = self._found_slot(self._slots_taken)
             self._slots_taken += 1
             index = self._slots_taken
         else:  # update() folds it into the last slot
@@ -140,6 +150,18 @@ class ScalerStateMixin(_TorchGradScaler):
         state["found_inf_slot"] = flag
         state["found_inf_index"] = index
         return flag
+
+    def _found_slot(self, index: int) -> torch.Tensor:
+        """The ``index``-th found_inf flag, a view of :attr:`_flags`: made once in eager code;
+        in code that torch.compile traces, made where it is used when the state was made
+        there too (see :meth:`_init_device_state`)."""
+        slots = self._found_slots
+        if not slots:
+            assert self._flags is not None  # made with the scale
+            if torch.compiler.is_dynamo_compiling():
+                return self._flags[index]
+            self._found_slots = slots = list(self._flags.unbind())
+        return slots[index]
 
     @staticmethod
     def _buffer_index(state: dict[str, Any], agreed: torch.Tensor) -> int:

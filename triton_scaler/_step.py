@@ -83,7 +83,7 @@ class StepMixin(_ScalerState):
         prefix of the [scale, flags...] buffer when ``agreed`` is one of its flags (no op),
         else a stack of the two."""
         index = self._buffer_index(state, agreed)
-        if index:
+        if index and self._host_spans:  # none: the state was made in traced code
             return self._host_spans[index], index
         return torch.stack([self._scale.to(agreed.device), agreed]), 1
 

@@ -36,7 +36,6 @@ from . import reference
 from ._eager import run_eagerly
 from ._library import ops_namespace
 from ._norms import reference_total_norm
-from ._op_args import PLAIN
 from .policy import check_scale_value
 
 if TYPE_CHECKING:
@@ -76,7 +75,12 @@ def _supported(name: str, scaler: GradScaler, args: tuple, kwargs: dict) -> bool
 def _lists_of_tensors(outputs: Any) -> bool:
     if isinstance(outputs, torch.Tensor):
         return True
-    return isinstance(outputs, (list, tuple)) and all(map(_lists_of_tensors, outputs))
+    if not isinstance(outputs, (list, tuple)):
+        return False
+    for item in outputs:  # a loop: older dynamo versions cannot inline all(...) here
+        if not _lists_of_tensors(item):
+            return False
+    return True
 
 
 def traced_under_compile(traced: Callable[..., Any]) -> Callable[[_Method], _Method]:
@@ -108,7 +112,7 @@ def lazy_init(scaler: GradScaler, device: torch.device) -> None:
     scaler._growth_tracker = torch.full((), scaler._init_growth_tracker, dtype=torch.int32,
                                         device=device)
     params = torch.tensor(scaler._policy.kernel_values(), dtype=torch.float64, device=device)
-    scaler._init_device_state(device, params)
+    scaler._init_device_state(device, params, buffered=False)
 
 
 def check_state(scaler: GradScaler, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,9 +159,12 @@ def _grads_by_device(optimizer: torch.optim.Optimizer, allow_fp16: bool
 def plain_grads(optimizer: torch.optim.Optimizer) -> bool:
     """Whether every grad of ``optimizer`` is a dense, plain tensor (what the traced calls
     take; a DTensor's or a sparse grad runs the eager method)."""
-    return all(type(p.grad) in PLAIN and not p.grad.is_sparse
-               for group in optimizer.param_groups for p in group["params"]
-               if p.grad is not None)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            grad = p.grad
+            if grad is not None and (type(grad) is not torch.Tensor or grad.is_sparse):
+                return False
+    return True
 
 
 def _check_grads(scaler: GradScaler, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
@@ -323,16 +330,21 @@ def update(scaler: GradScaler, new_scale: float | torch.Tensor | None = None) ->
     states = [s for s in scaler._per_optimizer_states.values() if s["found_inf_per_device"]]
     if not states:
         raise AssertionError("No inf checks were recorded prior to update.")
-    extra = scaler._found_slots[-1]
+    # the op gets this iteration's overflow as a flag of its own, and the flags are zeroed
+    # here: the flags are a view of the scale's buffer (state made in eager code), and inductor
+    # in older torch mistranslated a copy of them (a garbage flag: an overflow every step)
+    found = (flags != 0).any()
     for state in states:
         agreed = scaler._agree_found_inf(state)
-        if not scaler._buffer_index(state, agreed):  # folded into the last flag
-            extra.copy_(torch.maximum(extra, (agreed != 0).float().to(extra.device)))
+        if not scaler._buffer_index(state, agreed):  # a flag outside the buffer
+            found = found | (agreed != 0).to(found.device)
     policy = scaler._policy
     ops_namespace.scaler_update_(
-        scale_t, growth_tracker, flags, scaler._hysteresis_tracker_t, scaler._last_step_skipped,
+        scale_t, growth_tracker, found.float().reshape(1), scaler._hysteresis_tracker_t,
+        scaler._last_step_skipped,
         scaler._skipped_steps_t, scaler._params_t, policy.growth_factor, policy.backoff_factor,
         policy.growth_interval, policy.hysteresis, policy.consecutive_hysteresis,
         policy.min_scale, policy.max_scale, policy.dynamic, policy.skip_on_overflow,
         scaler._backend)
+    flags.zero_()
     scaler._reset_iteration()

@@ -333,7 +333,7 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
         if not states:
             raise AssertionError("No inf checks were recorded prior to update.")
-        extra = self._found_slots[-1]
+        extra = self._found_slot(-1)
         for state in states:
             agreed = self._agree_found_inf(state)
             if not self._buffer_index(state, agreed):
@@ -357,6 +357,9 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
         policy, the backend and each state tensor it uses are the same objects (compared by
         identity: an integrator's new ``_scale`` is seen)."""
         flags, skipped, count = self._flags, self._last_step_skipped_bytes, self._skipped_steps_t
+        if skipped is None:  # viewed once (see ScalerStateMixin._init_device_state)
+            assert self._last_step_skipped is not None  # made with the scale
+            skipped = self._last_step_skipped_bytes = self._last_step_skipped.view(torch.uint8)
         uses = (self._policy, self._backend, scale, growth_tracker, flags,
                 self._hysteresis_tracker_state, skipped, count, self._params_t)
         bound = self._update_bound

@@ -219,14 +219,21 @@ def non_finite_check_(
 def _traced(grads, found_inf, inv_scale, backend, write):
     """Under ``torch.compile``: the registered op, or (tensor subclasses, a single tensor, a
     bad backend) the eager implementation, a graph break."""
-    if isinstance(grads, (list, tuple)) and isinstance(backend, str):
-        grads = list(grads)
-        if all(type(g) in PLAIN for g in grads):
-            op = (ops_namespace.non_finite_check_and_unscale_ if write
-                  else ops_namespace.non_finite_check_)
-            op(grads, found_inf, inv_scale, backend)
-            return
+    if isinstance(grads, (list, tuple)) and isinstance(backend, str) and _plain(grads):
+        op = (ops_namespace.non_finite_check_and_unscale_ if write
+              else ops_namespace.non_finite_check_)
+        op(list(grads), found_inf, inv_scale, backend)
+        return
     run_eagerly(unscale_or_check, grads, found_inf, inv_scale, backend, write)
+
+
+def _plain(tensors: Sequence) -> bool:
+    """Whether each item is a plain tensor or parameter (a loop, not ``all(...)``: older
+    dynamo versions cannot inline a generator there)."""
+    for t in tensors:
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return False
+    return True
 
 
 def all_finite(tensors: Sequence[torch.Tensor], *, backend: Backend = "auto") -> torch.Tensor:
@@ -327,8 +334,16 @@ def update_scale_(
 def _numbers(reals: tuple, ints: tuple, bools: tuple) -> bool:
     """Whether the settings are Python numbers of their kinds, which the registered ops take
     (anything else is validated, and refused with its name, by the eager implementation)."""
-    return all(type(v) in (int, float) for v in reals) and \
-        all(type(v) is int for v in ints) and all(type(v) is bool for v in bools)
+    for v in reals:
+        if type(v) is not int and type(v) is not float:
+            return False
+    for v in ints:
+        if type(v) is not int:
+            return False
+    for v in bools:
+        if type(v) is not bool:
+            return False
+    return True
 
 
 def update_with_policy_(scale: torch.Tensor, growth_tracker: torch.Tensor,
