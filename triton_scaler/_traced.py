@@ -8,7 +8,8 @@ found_inf) is the same per-optimizer dict the eager methods keep, so traced and 
 mix within one iteration.
 
 What runs eagerly instead (a graph break, or an error under ``fullgraph=True``): a scaler with
-a ``process_group``, ``raise_at_min_scale=True`` or a subclass's own ``_unscale_grads_``;
+a ``process_group`` (:class:`ShardedGradScaler` always has one), ``raise_at_min_scale=True`` or
+a subclass's own ``_unscale_grads_``;
 grads that are tensor subclasses (DTensor) or sparse; ``clip_grad_norm_`` with
 ``error_if_nonfinite=True``, ``sharded=True`` or a ``norm_type`` other than 2 and inf.
 :func:`step` traces the unscale / check and the found_inf agreement, then calls the optimizer
@@ -49,8 +50,8 @@ _FIX = ("This may indicate your script did not use scaler.scale(loss or outputs)
 
 def traceable(scaler: GradScaler) -> bool:
     """Whether ``scaler``'s calls can be traced (the module doc lists what cannot)."""
-    return scaler._process_group is None and not scaler._policy.raise_at_min_scale and \
-        not scaler._overrides_unscale_grads()
+    return scaler._traceable and scaler._process_group is None and \
+        not scaler._policy.raise_at_min_scale and not scaler._overrides_unscale_grads()
 
 
 def _supported(name: str, scaler: GradScaler, args: tuple, kwargs: dict) -> bool:

@@ -64,6 +64,8 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
     #: :meth:`unscale_` (and :meth:`clip_grad_norm_`) accept float16 grads: False, as torch's
     #: GradScaler ("Attempting to unscale FP16 gradients."); :class:`ShardedGradScaler`: True.
     _unscales_fp16: bool = False
+    #: whether calls from code that torch.compile traces may be traced (module ``_traced``)
+    _traceable: bool = True
 
     def __init__(
         self,

@@ -62,6 +62,8 @@ class ShardedGradScaler(GradScaler):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval,
                          enabled, process_group=process_group, **extensions)
 
+    _traceable = False  # found_inf is agreed over a process group: eager under compile
+
     @property
     def _process_group(self) -> Any:
         """The group found_inf is agreed over: ``process_group``, else the default group."""
