@@ -142,7 +142,8 @@ class ScalerStateMixin(_TorchGradScaler):
             return flag.zero_()
         index = 0  # its position in the [scale, flags...] buffer; 0: not in it
         if self._slots_taken < FOUND_INF_SLOTS - 1:
-            flag = self._found_slot(self._slots_taken)
+            slots = self._found_slots  # made once: the method only for state made traced
+            flag = slots[self._slots_taken] if slots else self._found_slot(self._slots_taken)
             self._slots_taken += 1
             index = self._slots_taken
         else:  # update() folds it into the last slot

@@ -18,7 +18,7 @@ from ._backend import Backend, check_backend
 from ._bucket import before_backward
 from ._clip import ClipMixin
 from ._distributed import agree_over_meshes
-from ._eager import eager_under_compile
+from ._eager import eager_under_compile, run_eagerly
 from ._grads import PerDevice, grad_groups
 from ._state import ScalerStateMixin
 from ._step import StepMixin
@@ -113,7 +113,6 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
     @overload
     def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
 
-    @traced_under_compile(_traced.scale)
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]
               ) -> torch.Tensor | Iterable[torch.Tensor]:
         """Multiply outputs (usually the loss) by the scale, as torch's ``scale``.
@@ -134,12 +133,20 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
 
         .. note:: Does not synchronise with the host.
         """
+        if torch.compiler.is_dynamo_compiling():  # inline, not a decorator: a frame less
+            return self._scale_under_compile(outputs)
         if not self._enabled:
             return super().scale(outputs)
         before_backward()
         if isinstance(outputs, torch.Tensor):
             return super().scale(outputs)
         return super().scale(check_outputs(outputs))
+
+    def _scale_under_compile(self, outputs: Any) -> Any:
+        """:meth:`scale` from code that torch.compile traces: traced where it can be."""
+        if _traced._supported("scale", self, (outputs,), {}):
+            return _traced.scale(self, outputs)
+        return run_eagerly(GradScaler.scale, self, outputs)
 
     # ------------------------------------------------------------------ device work
     @eager_under_compile  # as torch's (dynamo skips torch.amp)
