@@ -117,9 +117,11 @@ class ScalerStateMixin(_TorchGradScaler):
         self._skipped_steps_t = torch.full((), self._init_skipped_steps, dtype=torch.int64,
                                            device=dev)
         self._last_step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
-        # what the eager update()'s kernel writes, the flag's byte: viewed there, once (code
-        # traced by torch.compile may run this, and inductor cannot view a bool as uint8)
-        self._last_step_skipped_bytes = None
+        # what update()'s kernel writes, the flag's byte, viewed once (not a view per step);
+        # state made in traced code leaves it to the eager update (inductor in older torch
+        # cannot view a bool as uint8)
+        self._last_step_skipped_bytes = self._last_step_skipped.view(torch.uint8) \
+            if buffered else None
         self._params_t = params
 
     def _set_policy(self, policy: ScalePolicy) -> None:
@@ -382,13 +384,14 @@ class ScalerStateMixin(_TorchGradScaler):
             state["_host_spans"] = []
             state["_slots_taken"] = 0
         state["_update_bound"] = None  # holds the device tensors and a kernel: bound again
+        state["_backward_token"] = None  # made again on load: the pickle holds no tensor
         state["_process_group"] = None  # process groups do not pickle; set it again after load
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        # a pickle of an earlier version: torch's factory (dynamo cannot call it) and no token
+        # also a pickle of an earlier version: torch's factory (dynamo cannot call it)
         self._per_optimizer_states = defaultdict(fresh_optimizer_state,
                                                  self._per_optimizer_states)
-        if "_backward_token" not in state:
+        if state.get("_backward_token") is None:
             self._backward_token = torch.empty(0)
