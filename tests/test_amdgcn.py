@@ -24,6 +24,9 @@ def amd_facts(request):
     out = subprocess.run([sys.executable, str(probe), request.param], env=env,
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
+        if "ld.lld not found" in out.stderr:  # triton 3.4: no linker shipped with the backend
+            pytest.skip("this triton ships no ROCm linker (ld.lld): its AMD backend cannot "
+                        "link without a ROCm install")
         raise AssertionError(out.stderr[-3000:])
     return json.loads(out.stdout)
 
