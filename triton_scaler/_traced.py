@@ -188,25 +188,11 @@ def _check_grads(scaler: GradScaler, optimizer: torch.optim.Optimizer, found_inf
     return per_device
 
 
-def ready_to_unscale(scaler: GradScaler, optimizer: torch.optim.Optimizer, funcname: str
-                     ) -> dict[str, Any]:
-    """The optimizer's per-iteration state; torch's errors for a second unscale or one after
-    ``step``."""
-    check_state(scaler, funcname)
-    state = scaler._per_optimizer_states[id(optimizer)]
-    if state["stage"] is OptState.UNSCALED:
-        raise RuntimeError(
-            "unscale_() has already been called on this optimizer since the last update().")
-    if state["stage"] is OptState.STEPPED:
-        raise RuntimeError("unscale_() is being called after step().")
-    return state
-
-
 def unscale_(scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
     """:meth:`GradScaler.unscale_`, traced."""
     if not scaler._enabled:
         return
-    state = ready_to_unscale(scaler, optimizer, "unscale_")
+    state = scaler._ready_to_unscale(optimizer, "unscale_")
     per_device = _check_grads(scaler, optimizer, scaler._found_inf_flag(state), write=True)
     state["found_inf_per_device"] = per_device
     state["stage"] = OptState.UNSCALED

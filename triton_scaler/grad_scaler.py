@@ -231,8 +231,9 @@ class GradScaler(ClipMixin, StepMixin, ScalerStateMixin, torch.amp.GradScaler):
 
     def _ready_to_unscale(self, optimizer: torch.optim.Optimizer, funcname: str) -> dict:
         """The optimizer's per-iteration state; raises torch's errors when its grads were
-        already unscaled or stepped in this iteration."""
-        self._check_scale_growth_tracker(funcname)
+        already unscaled or stepped in this iteration. Traceable by dynamo (no torch.amp
+        method: ``_traced.check_state`` is torch's ``_check_scale_growth_tracker``)."""
+        _traced.check_state(self, funcname)
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError(
