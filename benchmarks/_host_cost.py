@@ -48,7 +48,7 @@ GRAD_MODES = ("same", "new_tensors", "alternating", "new_memory")
 #: addresses (more than triton_scaler keeps chunk tables for: every step misses).
 HOST_LAYOUTS = ("heap", "dense")
 
-_SHIFTS = 40  # dense new_memory's address cycle: more than kernels.plan's 32 cached tables
+_SHIFTS = 40  # dense new_memory's address cycle: more layouts than planning's store keeps
 
 
 def _tensors(sizes: list[int], host_layout: str, device: str = "cpu") -> list[torch.Tensor]:

@@ -54,10 +54,10 @@ def early_host_copy() -> Iterator[None]:
     of (scale, found_inf) into new pinned host memory with an event (``copy_to_host_async``),
     and ``step`` waited on that event; now ``step`` reads the device tensor (``tolist``).
     Kept to time both in one run; CUDA tensors only (on CPU nothing changes)."""
+    from triton_scaler import GradScaler
     from triton_scaler._host_copy import copy_to_host_async
-    from triton_scaler._step import StepMixin
 
-    agree, span_of = StepMixin._agree_found_inf, StepMixin._host_read_span
+    agree, span_of = GradScaler._agree_found_inf, GradScaler._host_read_span
 
     def agree_and_start_copy(self, state):
         started = "found_inf_agreed" in state
@@ -74,11 +74,11 @@ def early_host_copy() -> Iterator[None]:
         copied[1].synchronize()
         return copied[0], copied[2]
 
-    StepMixin._agree_found_inf, StepMixin._host_read_span = agree_and_start_copy, copied_span
+    GradScaler._agree_found_inf, GradScaler._host_read_span = agree_and_start_copy, copied_span
     try:
         yield
     finally:
-        StepMixin._agree_found_inf, StepMixin._host_read_span = agree, span_of
+        GradScaler._agree_found_inf, GradScaler._host_read_span = agree, span_of
 
 
 #: the host reads timed inside a step: (owner, method name)

@@ -1,6 +1,7 @@
 """Host cost of one ``ops.non_finite_check_and_unscale_`` call over many grads, with every
 device launch a no-op (``_host_stubs.py``): with the launch plans the ops keep between calls
-(``triton_scaler/_ops_plans.py``) and without them (none kept), alternating in one process.
+(``triton_scaler/_plans.py``'s ``ops_plans``) and without them (none kept; chunk tables
+still kept), alternating in one process.
 Grads of 1–4096 random float32 elements; ``CASES`` says how the grads change between calls.
 
 ``python benchmarks/_ops_host_cost.py 100 1000 10000`` prints the table of RESULTS.md."""
@@ -20,7 +21,8 @@ from _host_stubs import noop_launches
 #: ``same_list``: one list, called again and again; ``new_tensors``: a new list of new grad
 #: tensors over the same memory each call (a loop that rebuilds ``[p.grad for p in ...]``
 #: after ``zero_grad()`` + backward on a GPU, whose allocator hands the same blocks back);
-#: ``cycle12``: 12 grad sets in turn, more than the ops keep plans for (no call reuses one)
+#: ``cycle12``: 12 grad sets in turn (each call's plans kept from its set's last call, twelve
+#: calls before)
 CASES = ("same_list", "new_tensors", "cycle12")
 
 
@@ -50,17 +52,18 @@ def make_call(n: int, case: str) -> tuple[Callable[[], None], Callable[[], None]
 
 @contextlib.contextmanager
 def plans_kept(kept: bool) -> Iterator[None]:
-    """The ops keep plans as they do (``kept``), or keep none."""
-    from triton_scaler import _ops_plans
+    """The ops keep plans as they do (``kept``), or keep none (chunk tables kept still)."""
+    from triton_scaler import _plan_store
 
-    before = _ops_plans._CAPACITY
-    _ops_plans.clear()
-    _ops_plans._CAPACITY = before if kept else 0
+    keep = _plan_store.keep
+    _plan_store.clear()
+    if not kept:
+        _plan_store.keep = lambda key, value: value if key[0] == "ops" else keep(key, value)
     try:
         yield
     finally:
-        _ops_plans._CAPACITY = before
-        _ops_plans.clear()
+        _plan_store.keep = keep
+        _plan_store.clear()
 
 
 def measure(n: int, case: str, calls: int = 60) -> dict[str, float]:

@@ -103,9 +103,8 @@ def test_the_host_wait_script_prints_its_table(capsys, monkeypatch):
     from _host_wait import BESIDE_CASE, CASES, EARLY_COPY_CASE, READS, _phases, main, timed_calls
 
     from triton_scaler import GradScaler
-    from triton_scaler._step import StepMixin
 
-    methods = dict(vars(StepMixin))
+    methods = dict(vars(GradScaler))
     built = []  # make_step's parameter counts, in order
     monkeypatch.setattr(_host_wait, "make_step",
                         lambda impl, n, **kw: built.append(n) or make_step(impl, n, **kw))
@@ -116,7 +115,7 @@ def test_the_host_wait_script_prints_its_table(capsys, monkeypatch):
         EARLY_COPY_CASE[0], BESIDE_CASE[0]]
     # the control row: the row's 12 parameters built (and held) first, then 10 timed
     assert built == [12] * (len(CASES) + 1) + [12, 10]
-    assert dict(vars(StepMixin)) == methods  # the early-copy row's patches undone
+    assert dict(vars(GradScaler)) == methods  # the early-copy row's patches undone
     # params, case, whole step, the 4 calls, 2 parts of ours, the read; then the row's end
     assert len(_phases()) == 7 and all(len(row.split(" | ")) == 10 for row in rows)
 

@@ -41,8 +41,6 @@ from collections import OrderedDict
 import torch
 from triton.runtime import driver
 
-from triton_scaler._lru import recent, remember
-
 try:
     from triton import knobs  # triton >= 3.4: the launch hooks the direct path passes
 except ImportError:
@@ -76,8 +74,12 @@ def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
         device = _current_device()
         addresses = tuple(map(_DATA_PTR, tensors))
         key = _key(device, addresses, tensors, scalars, constexprs)
-        compiled = recent(cache, key)
+        compiled = cache.get(key)
         if compiled is not None:
+            try:
+                cache.move_to_end(key)  # the least recently used launches are dropped first
+            except KeyError:  # dropped by another thread since the read: still callable
+                pass
             _run(compiled, grid, _current_stream(device), tensors, addresses,
                  (*scalars, *constexprs.values()))
             return
@@ -88,7 +90,19 @@ def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
             cache = _compiled[kernel] = OrderedDict()
             key = _key(_current_device(), tuple(map(_DATA_PTR, tensors)), tensors, scalars,
                        constexprs)
-        remember(cache, key, compiled, _CAPACITY)
+        _remember(cache, key, compiled)
+
+
+def _remember(cache: OrderedDict, key: tuple, compiled) -> None:
+    """Keep ``compiled`` under ``key``, dropping the least recently used launches beyond
+    ``_CAPACITY`` (a loop's few launches all fit). Safe when another thread changes
+    the cache meanwhile (a lost entry is a later ``kernel[grid]``, not an error)."""
+    cache[key] = compiled
+    while len(cache) > _CAPACITY:
+        try:
+            cache.popitem(last=False)
+        except KeyError:  # emptied by another thread meanwhile
+            break
 
 
 def _reusable(compiled) -> bool:

@@ -25,9 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_scaler._kernel_args import UnscalePlan
+
 from .bits import bf16_bits_to_fp32, fp32_to_bf16_bits
 from .launcher import launch
-from .plan import UnscalePlan, _captured, build_plan, refuse_overlapping_writes
 
 GPU_BLOCK = 4096
 GPU_NUM_WARPS = 8
@@ -167,19 +168,18 @@ def is_interpreting() -> bool:
     return _INTERPRETED
 
 
-def _block() -> int:
+def block() -> int:
+    """Elements per program of :func:`launch_unscale`: the block plans are cut in."""
     return INTERPRETER_BLOCK if _INTERPRETED else GPU_BLOCK
 
 
-def plan_unscale(grads: list[torch.Tensor], numels: tuple[int, ...] | None = None,
-                 addresses: tuple[int, ...] | None = None) -> UnscalePlan:
-    """The host work of a launch over ``grads`` (see :func:`launch_unscale`). ``numels`` /
-    ``addresses``: the grads' sizes / data pointers when the caller already has them."""
-    return build_plan(grads, numels, addresses, _block())
+#: Chunk tables that a captured CUDA graph reads: a graph keeps raw addresses, so these live
+#: as long as the process, whatever planning's store drops.
+_captured: dict[int, torch.Tensor] = {}
 
 
 def launch_unscale(
-    grads: list[torch.Tensor] | UnscalePlan,
+    plan: UnscalePlan,
     found_inf: torch.Tensor,
     inv_scale: torch.Tensor,
     *,
@@ -188,29 +188,34 @@ def launch_unscale(
     clip_coef: torch.Tensor | None = None,
     inv_from_scale: bool = False,
 ) -> torch.Tensor | None:
-    """Unscale (``write=True``) or only check (``write=False``) same-device, same-dtype grads.
+    """Unscale (``write=True``) or only check (``write=False``) the grads of ``plan``.
 
-    One launch for a single tensor (flat path) or for all tensors of the list (chunk-table
-    path); ``grads`` may also be a plan from :func:`plan_unscale`. Dense non-contiguous grads
-    (channels_last, transposed) are covered as the flat memory they are; gapped ones through
-    contiguous copies that are written back (a write to one whose elements overlap raises:
-    :func:`refuse_overlapping_writes`; a check reads it). Grads that start at the same address
-    (aliases) are processed once. ``found_inf`` is a 0-d fp32 tensor on the grads' device;
-    ``inv_scale`` too, or (``inv_from_scale=True``) the 0-d fp32 scale, whose reciprocal the
-    kernel forms as torch does (``fp32(1 / fp64(scale))``). Asynchronous: no host sync.
+    Args:
+        plan: one launch over same-device, same-dtype grads (``triton_scaler._plans``): a
+            flat buffer or a chunk table; gapped grads through contiguous copies, written
+            back after the launch.
+        found_inf: 0-d fp32 flag on the grads' device, set to 1.0 on a non-finite value.
+        inv_scale: 0-d fp32 multiplier, or (``inv_from_scale``) the 0-d fp32 scale, whose
+            reciprocal the kernel forms as torch does (``fp32(1 / fp64(scale))``).
+        write: store the unscaled values (False: the read-only check).
+        norm: 2 or -1 (``clip_grad_norm_``'s read pass, ``write=False``): also return the
+            sum of squares (max ``|x|``) of the unscaled grads.
+        clip_coef: (write pass) store ``dtype(dtype(g * inv_scale) * clip_coef)``.
+        inv_from_scale: see ``inv_scale``.
 
-    ``clip_grad_norm_``'s passes: ``write=False, norm=2`` (or ``-1`` for the inf norm) also
-    returns the sum of squares (max ``|x|``) of the unscaled grads as a 0-d float32 (float64
-    for float64 grads) device tensor; ``write=True, clip_coef=c`` stores
-    ``dtype(dtype(g * inv_scale) * c)``.
+    Returns:
+        With ``norm``, a 0-d float32 (float64 for float64 grads) device tensor; else None.
+
+    Raises:
+        RuntimeError: a write over a plan that refuses it (``plan.refusal``: grads sharing
+            memory), before anything is written.
+
+    .. note:: Asynchronous: no host sync.
     """
-    plan = grads if isinstance(grads, UnscalePlan) else plan_unscale(grads)
-    if write and (plan.copies or plan.overlapping):
-        refuse_overlapping_writes(plan)
+    if write and plan.refusal is not None:
+        raise RuntimeError(plan.refusal)
     if not plan.grid:  # no elements
-        fp64 = not isinstance(grads, UnscalePlan) and bool(grads) \
-            and grads[0].dtype == torch.float64
-        return None if not norm else found_inf.new_zeros((), dtype=_partial_dtype(fp64))
+        return None if not norm else found_inf.new_zeros((), dtype=_partial_dtype(plan.fp64))
     base = plan.base
     fp64 = base.dtype == torch.float64
     partials = found_inf.new_empty(plan.grid, dtype=_partial_dtype(fp64)) if norm else found_inf

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_scaler.policy import PARAMS_LAYOUT  # the buffer's layout, owned by ScalePolicy
+from triton_scaler._kernel_args import PARAMS_LAYOUT  # the params buffer's layout
 
 from .launcher import launch
 

@@ -64,7 +64,7 @@ def _launches(monkeypatch):
 
 
 def count_calls(monkeypatch, owner, name, counts=None, key=None) -> Counter:
-    """Counts the calls of ``owner.name`` (e.g. ``kernels.plan_unscale``: the launch plans
+    """Counts the calls of ``owner.name`` (e.g. ``_plans.plan_unscale``: the launch plans
     made, which torch's scaler never calls; ``_grads._Layout``: the layouts built) in
     ``counts[key]`` (key: ``name``); returns ``counts``."""
     counts = Counter() if counts is None else counts

@@ -7,7 +7,7 @@ import pytest
 import torch
 from _util import assert_all_same
 
-from triton_scaler import GradScaler, _stored_plans
+from triton_scaler import GradScaler, _plan_store
 
 
 def _guards_of_another_signature(*grads, **kwargs):
@@ -21,9 +21,9 @@ def tensor_guards(request, monkeypatch):
     after TensorGuards refused its arguments (a torch whose private API changed). True for
     the first."""
     if request.param == "python_check":
-        monkeypatch.setattr(_stored_plans, "TensorGuards", None)
+        monkeypatch.setattr(_plan_store, "TensorGuards", None)
     elif request.param == "other_signature":
-        monkeypatch.setattr(_stored_plans, "TensorGuards", _guards_of_another_signature)
+        monkeypatch.setattr(_plan_store, "TensorGuards", _guards_of_another_signature)
     return request.param == "tensor_guards"
 
 

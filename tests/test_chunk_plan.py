@@ -1,4 +1,4 @@
-"""The host side of a launch (``kernels/plan.py``), on its own: the chunk table's rows, its
+"""The host side of a launch (``triton_scaler/_plans.py``), on its own: the chunk table's rows, its
 caches, the grads it leaves out (empty ones, aliases) and the flat path of a single grad.
 
 The kernels' results over these plans are tested against torch's op elsewhere
@@ -11,7 +11,9 @@ GPU)."""
 import pytest
 import torch
 import triton
-from triton_scaler.kernels import plan
+
+from triton_scaler import _plan_store
+from triton_scaler import _plans as plan
 
 BLOCK = 4
 
@@ -20,11 +22,9 @@ BLOCK = 4
 def no_kept_tables():
     """No table or size pattern of an earlier test: freed grads leave their addresses to
     this test's, whose calls would find that test's tables."""
-    plan._tables.clear()
-    plan._chunk_patterns.clear()
+    _plan_store.clear()
     yield
-    plan._tables.clear()
-    plan._chunk_patterns.clear()
+    _plan_store.clear()
 
 
 def _expected_rows(grads: list[torch.Tensor], block: int) -> list[list[int]]:
@@ -71,8 +71,8 @@ def test_a_repeated_layout_gets_the_same_table_and_new_addresses_the_same_patter
     moved = _views(buffer, [(start + 64, n) for start, n in SPANS])
     other, _ = plan.chunk_table(moved, numels, BLOCK)
     assert other is not table and other.tolist() == _expected_rows(moved, BLOCK)
-    assert plan._chunks(numels, BLOCK) is pattern and len(plan._chunk_patterns) == 1
-    assert len(plan._tables) == 2
+    assert plan._chunks(numels, BLOCK) is pattern and _plan_store.count("sizes") == 1
+    assert _plan_store.count("table") == 2
 
 
 def test_grads_at_one_address_are_chunked_once_at_the_larger_size():

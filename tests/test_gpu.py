@@ -152,17 +152,15 @@ def test_fused_route_never_synchronises(cuda):
 
 
 def _evict_chunk_tables(cuda):
-    """What a long run does after a capture: more than 32 other grad layouts push the captured
-    chunk table out of the cache, and the freed device blocks are reused and overwritten."""
-    from triton_scaler.kernels import plan
-
-    from triton_scaler import _grads
+    """What a long run does after a capture: other grad layouts push the captured chunk table
+    out of planning's store, and the freed device blocks are reused and overwritten."""
+    from triton_scaler import _grads, _plan_store
 
     found, one = torch.zeros((), device=cuda), torch.ones((), device=cuda)
     for i in range(40):
         ops.non_finite_check_([torch.ones(5 + i, device=cuda), torch.ones(3, device=cuda)],
                               found, one, backend="triton")
-    plan._tables.clear()
+    _plan_store.clear()
     _grads._layouts.clear()
     gc.collect()
     # small blocks, the size class of a chunk table, so that freed tables are reused

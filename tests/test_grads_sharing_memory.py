@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 from _util import assert_same
-from triton_scaler.kernels.plan import _ranges_overlap
 
 from triton_scaler import GradScaler, ops
 from triton_scaler._memory import _offsets, share_elements
+from triton_scaler._plans import _ranges_overlap
 
 SHARED = "two gradients share part of their memory"
 

@@ -17,7 +17,7 @@ from _launch_counting import (
 )
 from _util import assert_all_same
 
-from triton_scaler import GradBuckets, GradScaler, _grads, kernels, ops
+from triton_scaler import GradBuckets, GradScaler, _grads, _plans, ops
 
 
 @pytest.mark.parametrize("buckets", [False, True])
@@ -95,7 +95,7 @@ def test_gradient_buckets_plan_their_launch_once(monkeypatch, dtypes):
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
     params, opt = _setup(6, True, dtypes=dtypes)
     scaler = GradScaler("cpu", backend="triton", init_scale=4.0)
-    counts = count_calls(monkeypatch, kernels, "plan_unscale", key="plans")
+    counts = count_calls(monkeypatch, _plans, "plan_unscale", key="plans")
     count_calls(monkeypatch, _grads, "_groups_slow", counts, "per_grad")
     with _launches(monkeypatch) as launches:
         for step in range(6):
@@ -140,7 +140,7 @@ def test_parameters_outside_the_buckets_are_laid_out_once_per_parameter_layout(
     identity each step), never per step; the Triton launches are planned then only (each
     bucket's and the outside grads'), and no step groups grads one by one."""
     counts = count_calls(monkeypatch, _grads, "_Layout", key="layouts")
-    count_calls(monkeypatch, kernels, "plan_unscale", counts, "plans")
+    count_calls(monkeypatch, _plans, "plan_unscale", counts, "plans")
     count_calls(monkeypatch, _grads, "_groups_slow", counts, "per_grad")
     actual = _train_partly_bucketed(GradScaler("cpu", backend=backend, init_scale=4.0), True)
     expected = _train_partly_bucketed(torch.amp.GradScaler("cpu", init_scale=4.0), False)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from triton_scaler.kernels import bind_update_scale, launch_unscale, launcher, unscale, update
 
+from triton_scaler._plans import plan_unscale
 from triton_scaler.policy import ScalePolicy
 
 
@@ -257,9 +258,9 @@ def test_every_launch_site_names_its_constexprs_in_order(monkeypatch, triton_dev
 
     found, scale = zeros(), zeros() + 1
     for grads in ([zeros(5) + 1], [zeros(5) + 1, zeros(3) + 1]):
-        launch_unscale(grads, found, scale)
-        launch_unscale(grads, found, scale, write=False, norm=2)
-        launch_unscale(grads, found, scale, clip_coef=scale, inv_from_scale=True)
+        launch_unscale(plan_unscale(grads), found, scale)
+        launch_unscale(plan_unscale(grads), found, scale, write=False, norm=2)
+        launch_unscale(plan_unscale(grads), found, scale, clip_coef=scale, inv_from_scale=True)
     bind_update_scale(scale, zeros(dtype=torch.int32), zeros(2),
                       ScalePolicy(hysteresis=2).kernel_params(triton_device),
                       zeros(dtype=torch.int32) + 1, False, skipped=zeros(dtype=torch.bool),

@@ -1,7 +1,7 @@
 """The launch plans the ops keep between calls on grads at the same addresses
-(``triton_scaler/_ops_plans.py``): a third call there plans nothing, and grads changed at
-those addresses (dtype, size, strides, device, a sparse grad) are planned again or refused,
-each call bit-identical to torch's op."""
+(``triton_scaler/_plans.py``'s ``ops_plans``, in planning's store): a third call there
+plans nothing, and grads changed at those addresses (dtype, size, strides, device, a sparse
+grad) are planned again or refused, each call bit-identical to torch's op."""
 
 import math
 
@@ -10,25 +10,25 @@ import torch
 import triton_scaler.kernels
 from _util import assert_all_same, assert_same
 
-from triton_scaler import _ops_plans, ops
+from triton_scaler import _plan_store, _plans, ops
 
 INV = 1 / 3.0  # not a power of two: every rounding is exercised
 
 
 @pytest.fixture
 def plans(monkeypatch):
-    """Counts the plans the ops make (``kernels.plan_unscale`` calls), from no stored plans."""
+    """Counts the plans the ops make (``_plans.plan_unscale`` calls), from no stored plans."""
     made = []
-    plan_unscale = triton_scaler.kernels.plan_unscale
+    plan_unscale = _plans.plan_unscale
 
     def counting(grads, *args):
         made.append(len(grads))
         return plan_unscale(grads, *args)
 
-    monkeypatch.setattr(triton_scaler.kernels, "plan_unscale", counting)
-    _ops_plans.clear()
+    monkeypatch.setattr(_plans, "plan_unscale", counting)
+    _plan_store.clear()
     yield made
-    _ops_plans.clear()
+    _plan_store.clear()
 
 
 def _unscale_as_torch(grads, write=True):
@@ -178,21 +178,21 @@ def test_a_gapped_grad_in_one_dtype_keeps_the_other_dtypes_launches_unstored(tri
         if call == 3:
             gapped[-1] = math.nan
         assert _unscale_as_torch([gapped, half]) == (call == 3)
-    assert plans == [1, 1] * 4 and _ops_plans._stored == []
+    assert plans == [1, 1] * 4 and _plan_store.count("ops") == 0
 
 
 def test_without_tensor_guards_no_stored_plan_is_launched(triton_device, plans, monkeypatch):
     """A torch without ``TensorGuards`` (``tensor_guards`` gives None): the second call at the
     same addresses forgets the first's plans, the third stores them again (without a guard,
     never launched from), and every call plans."""
-    monkeypatch.setattr(_ops_plans, "tensor_guards", lambda grads: None)
+    monkeypatch.setattr(_plan_store, "tensor_guards", lambda grads: None)
     grads = [torch.empty(n, device=triton_device) for n in (7, 4099)]
     for call in range(4):
         _fill(grads, seed=call)
         if call == 3:
             grads[0][0] = -math.inf
         assert _unscale_as_torch(grads) == (call == 3)
-        assert len(_ops_plans._stored) == (call % 2 == 0)
+        assert _plan_store.count("ops") == (call % 2 == 0)
     assert plans == [2] * 4
 
 
@@ -208,15 +208,17 @@ def test_a_sparse_grad_among_stored_ones_is_refused(triton_device, plans):
 
 
 @pytest.mark.parametrize("n_lists", [8, 9])
-def test_the_last_eight_grad_lists_are_stored(triton_device, plans, n_lists):
-    """Lists in turn, three rounds: eight are all kept (the third round plans nothing); with
+def test_the_store_keeps_the_most_recent_grad_lists(triton_device, plans, n_lists, monkeypatch):
+    """Lists in turn, three rounds, each list three entries (its launches, its chunk table,
+    its sizes) in a store of 24: eight are all kept (the third round plans nothing); with
     one more, each is evicted (least recently used) before its next call, and every call
     plans. Every call still as torch's."""
+    monkeypatch.setattr(_plan_store, "CAPACITY", 24)
     lists = [[torch.empty(n + k, device=triton_device) for n in (3, 4097)]
              for k in range(n_lists)]
     for call in range(3):
         for k, grads in enumerate(lists):
             _fill(grads, seed=10 * call + k)
             _unscale_as_torch(grads)
-    assert len(_ops_plans._stored) == 8
+    assert _plan_store.count("ops") == 8
     assert len(plans) == (2 * 8 if n_lists == 8 else 3 * 9)

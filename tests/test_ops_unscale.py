@@ -98,7 +98,7 @@ def test_a_chunk_one_element_short_of_a_block_leaves_the_memory_after_it(triton_
     one element early would unscale that element too, or write past the grad)."""
     from triton_scaler.kernels import unscale
 
-    block = unscale._block()
+    block = unscale.block()
     inv = torch.tensor(1 / 3.0)
     source = _grads([2 * block], dtype, seed=5)[0]
     for spans in ([(0, block - 1)], [(0, block - 1), (block - 1, block + 4),
@@ -214,32 +214,29 @@ def no_kept_plans():
     """No chunk table, size pattern or ops plan kept from earlier tests: grads of a test
     before, freed, leave their addresses to this one's, whose calls would then launch that
     test's kept plans and build no table (seen with torch 2.11's allocator)."""
-    from triton_scaler.kernels import plan
+    from triton_scaler import _plan_store
 
-    from triton_scaler import _ops_plans
-
-    for cache in (plan._tables, plan._chunk_patterns, _ops_plans._stored):
-        cache.clear()
-    yield plan
-    _ops_plans.clear()
+    _plan_store.clear()
+    yield _plan_store
+    _plan_store.clear()
 
 
 def test_repeated_calls_reuse_the_cached_chunk_table(triton_device, no_kept_plans):
-    plan = no_kept_plans
+    store = no_kept_plans
     grads = [g.to(triton_device) for g in _grads([10, 20, 30], torch.float32)]
     for _ in range(3):
         ops.non_finite_check_and_unscale_(grads, torch.zeros((), device=triton_device),
                                           torch.tensor(1.0, device=triton_device),
                                           backend="triton")
-    assert len(plan._tables) == 1
+    assert store.count("table") == 1
 
 
 @pytest.mark.parametrize("special", SPECIALS)
 def test_grads_at_new_addresses_with_known_sizes(triton_device, special, no_kept_plans):
-    """A new table from the cached size pattern (kernels/plan.py ``_chunks``): the same sizes
+    """A new table from the kept size pattern (triton_scaler/_plans.py ``_chunks``): the same sizes
     at other addresses, in another address order (the first grad now above the others), with
     a non-finite value planted at the last element of the last grad, match torch's op."""
-    plan = no_kept_plans
+    store = no_kept_plans
     sizes = [7, 3 * BLOCK + 5, 1, BLOCK - 1, 300]
     inv = torch.tensor(1 / 3.0)
     storages = [torch.empty(sum(sizes) + 64 * step, device=triton_device) for step in range(3)]
@@ -255,7 +252,7 @@ def test_grads_at_new_addresses_with_known_sizes(triton_device, special, no_kept
         ops.non_finite_check_and_unscale_(grads, found, inv.to(triton_device), backend="triton")
         assert_all_same([g.cpu() for g in grads], expected)
         assert_same(found.cpu(), found_expected)
-    assert len(plan._tables) == 3 and len(plan._chunk_patterns) == 1
+    assert store.count("table") == 3 and store.count("sizes") == 1
 
 
 def test_bad_arguments():

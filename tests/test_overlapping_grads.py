@@ -70,9 +70,12 @@ def test_ops_triton_refuses_to_write_it_and_changes_nothing(triton_device, where
 
 @pytest.mark.parametrize("kind", ["own_elements", "two_grads"])
 def test_the_kernels_launcher_itself_refuses_to_write_it(triton_device, kind):
-    """``launch_unscale`` (kernels/unscale.py) refuses a write on its own, not only behind
-    the ops' check, before any grad changes; its read-only check reads the same grads."""
-    from triton_scaler.kernels.unscale import launch_unscale
+    """``launch_unscale`` (kernels/unscale.py) refuses a write over such a plan on its own,
+    not only behind the ops' check, before any grad changes; its read-only check reads the
+    same grads."""
+    from triton_scaler.kernels.unscale import launch_unscale as launch
+
+    from triton_scaler._plans import plan_unscale
 
     grad, base = _overlapping(device=triton_device)
     buffer = torch.full((9,), 4.0, device=triton_device)
@@ -81,11 +84,11 @@ def test_the_kernels_launcher_itself_refuses_to_write_it(triton_device, kind):
     inv = torch.full((), 0.5, device=triton_device)
     found = torch.zeros((), device=triton_device)
     with pytest.raises(RuntimeError, match=OVERLAP if kind == "own_elements" else SHARED):
-        launch_unscale(grads, found, inv)
+        launch(plan_unscale(grads), found, inv)
     assert_all_same([base, buffer], snapshot)
     grads[-1][-1] = math.inf  # the last element of the last grad
     planted = buffer.clone()
-    launch_unscale(grads, found, inv, write=False)
+    launch(plan_unscale(grads), found, inv, write=False)
     assert found.item() == 1.0
     assert_all_same([base, buffer], [snapshot[0], planted])
 

@@ -13,7 +13,7 @@ from _launch_counting import count_calls
 from _plan_reuse import assert_matches_torch, train_in_fixed_memory
 from _util import view_in
 
-from triton_scaler import _stored_plans, kernels
+from triton_scaler import _plan_store, _plans
 
 tensor_guards = _plan_reuse.tensor_guards  # autouse: every test three ways
 
@@ -49,13 +49,16 @@ def test_reused_plans_with_empty_grads(backend, layout):
     assert_matches_torch(run, backend, init_scale=4.0, growth_interval=1)
 
 
-# 4: as many as the plans kept per optimizer; 5: more
+# in a store of 9 entries, 4: as many layouts as it keeps (each its launches and its chunk
+# table, all one size pattern); 5: more
 @pytest.mark.parametrize("n_layouts", [2, 4, 5])
 def test_grads_cycling_through_memory_layouts(backend, n_layouts, monkeypatch):
     """Grads whose memory cycles through a few address layouts (an allocator handing back
     the blocks of an earlier step) reuse those layouts' launch plans, and more layouts than
     are kept replan: inf / NaN / -inf planted at the first and last element of the first and
     last grad skip exactly torch's steps, and the parameters equal torch's."""
+    monkeypatch.setattr(_plan_store, "CAPACITY", 9)
+    _plan_store.clear()
     sizes = (7, 300, 1, 0, 33)
 
     def run(scaler):
@@ -79,7 +82,7 @@ def test_grads_cycling_through_memory_layouts(backend, n_layouts, monkeypatch):
             scales.append(scaler.get_scale())
         return scales, [p.detach().clone() for p in params]
 
-    built = count_calls(monkeypatch, kernels, "plan_unscale", key="plans")
+    built = count_calls(monkeypatch, _plans, "plan_unscale", key="plans")
     assert_matches_torch(run, backend, init_scale=2.0**8, growth_interval=2)
     if backend == "triton":  # each layout planned once while they fit, every step otherwise
         assert built["plans"] == (n_layouts if n_layouts <= 4 else 3 * n_layouts + 2)
@@ -109,7 +112,7 @@ def test_plans_reused_for_groups_of_several_dtypes(backend, monkeypatch):
             scaler.update()
         return scaler.get_scale(), [p.detach().clone() for p in params]
 
-    built = count_calls(monkeypatch, kernels, "plan_unscale", key="plans")
+    built = count_calls(monkeypatch, _plans, "plan_unscale", key="plans")
     assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
     assert built["plans"] == (3 if backend == "triton" else 0)
 
@@ -142,7 +145,7 @@ def test_plans_reused_through_one_tensor_guards_check(backend, tensor_guards, mo
     at each later step."""
     if backend != "triton" or not tensor_guards:
         pytest.skip("plans are reused on the Triton backend; the guard is torch's")
-    counts, real_guards = Counter(), _stored_plans.TensorGuards
+    counts, real_guards = Counter(), _plan_store.TensorGuards
 
     class CountingGuards:
         def __init__(self, *grads, **kwargs):
@@ -153,8 +156,8 @@ def test_plans_reused_through_one_tensor_guards_check(backend, tensor_guards, mo
             counts["checked"] += 1
             return self.guards.check(*grads)
 
-    monkeypatch.setattr(_stored_plans, "TensorGuards", CountingGuards)
-    count_calls(monkeypatch, kernels, "plan_unscale", counts, "planned")
+    monkeypatch.setattr(_plan_store, "TensorGuards", CountingGuards)
+    count_calls(monkeypatch, _plans, "plan_unscale", counts, "planned")
 
     def run(scaler):
         torch.manual_seed(0)
@@ -184,7 +187,7 @@ def test_channels_last_and_transposed_grads(backend, tensor_guards, then, monkey
     inf / -inf / NaN at the first and last element of the first and last grad, equal to
     torch, the memory between the gapped grads' elements included."""
     shapes = [(8, 3, 3, 3), (5, 7, 3, 3), (7,), (4, 9)]
-    planned = count_calls(monkeypatch, kernels, "plan_unscale", key="plans")
+    planned = count_calls(monkeypatch, _plans, "plan_unscale", key="plans")
 
     def run(scaler):
         torch.manual_seed(0)

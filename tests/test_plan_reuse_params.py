@@ -14,7 +14,7 @@ from _launch_counting import count_calls
 from _plan_reuse import assert_matches_torch, train_in_fixed_memory
 from _util import assert_all_same
 
-from triton_scaler import GradBuckets, GradScaler, _grads, kernels
+from triton_scaler import GradBuckets, GradScaler, _grads, _plans
 
 tensor_guards = _plan_reuse.tensor_guards  # autouse: every test three ways
 
@@ -87,7 +87,7 @@ def test_parameter_swapped_in_with_its_grad_in_the_old_grads_memory(backend, mon
     """The layout keeps no parameter: each step reads the grads of the optimizer's own list,
     so the swapped-in parameter's grad is the one unscaled and checked, through the plans
     stored for that memory (Triton: planned at the first step only)."""
-    built = count_calls(monkeypatch, kernels, "plan_unscale", key="plans")
+    built = count_calls(monkeypatch, _plans, "plan_unscale", key="plans")
     assert_matches_torch(_train_swapping_into_the_same_memory, backend, init_scale=2.0**8,
                           growth_interval=2)
     assert built["plans"] == (1 if backend == "triton" else 0)

@@ -177,13 +177,16 @@ def test_gpu_launches_pass_what_the_probe_compiles(monkeypatch, dtype):
     import torch
     from triton_scaler.kernels import unscale
 
+    from triton_scaler._plans import plan_unscale
+
     seen = []
     monkeypatch.setattr(unscale, "_INTERPRETED", False)
     monkeypatch.setattr(unscale, "launch", lambda *args: seen.append(args[1:2] + args[-2:]))
     sizes = (5, unscale.GPU_BLOCK + 3)  # 1 + 2 programs of the GPU block
     grads = [torch.ones(n, dtype=getattr(torch, dtype)) for n in sizes]
     for norm, coef in ((0, None), (2, None), (0, torch.ones(()))):
-        unscale.launch_unscale(grads, torch.zeros(()), torch.ones(()), norm=norm, clip_coef=coef)
+        unscale.launch_unscale(plan_unscale(grads), torch.zeros(()), torch.ones(()), norm=norm,
+                               clip_coef=coef)
     warps = unscale.GPU_NUM_WARPS_FP64 if dtype == "float64" else unscale.GPU_NUM_WARPS
     assert [options for *_, options in seen] == [{"num_warps": warps, "enable_fp_fusion": False}] * 3
     vec = 16 // grads[0].element_size()

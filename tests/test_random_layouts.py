@@ -13,7 +13,7 @@ import torch
 from _seeds import length, seeds
 from _util import assert_all_same, view_in
 
-from triton_scaler import GradScaler, _stored_plans
+from triton_scaler import GradScaler, _plan_store
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:grad and param do not obey the gradient layout contract")
@@ -61,7 +61,7 @@ def _train(scaler, seed: int, dtype: torch.dtype):
 def test_random_grad_layouts_at_fixed_addresses(backend, seed, dtype, tensor_guards,
                                                 monkeypatch):
     if not tensor_guards:
-        monkeypatch.setattr(_stored_plans, "TensorGuards", None)
+        monkeypatch.setattr(_plan_store, "TensorGuards", None)
     kwargs = dict(init_scale=2.0**6, growth_interval=2)
     expected = _train(torch.amp.GradScaler("cpu", **kwargs), seed, dtype)
     actual = _train(GradScaler("cpu", backend=backend, **kwargs), seed, dtype)

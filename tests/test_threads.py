@@ -1,12 +1,12 @@
 """Several threads at once, each with its own grads (or its own model, optimizer and scaler):
-the caches of launch plans and chunk tables that every caller shares (``kernels.plan``,
-``kernels.launcher``, ``triton_scaler._ops_plans``) stay usable, and each thread's results
-equal torch's.
+the stores that every caller shares (planning's, ``triton_scaler._plan_store``: launch plans,
+chunk tables; the launcher's compiled launches, ``kernels.launcher``) stay usable, and each
+thread's results equal torch's.
 
-A lookup in such a cache reads an entry, then moves it to the cache's end; another thread
-may evict it in between (its own launch filled the cache). ``_EvictedOnRead`` (a dict
-cache) and ``_EmptiedAfterCopy`` (a list cache, keyed by addresses) make that happen at every
-lookup, so the tests below see it every time (before, a ``KeyError``).
+A lookup in such a store reads an entry, then moves it to the end; another thread may evict
+it in between (its own launch filled the store). ``_EvictedOnRead`` (the launcher's dict) and
+``_EmptiedAfterCopy`` (planning's list) make that happen at every lookup, so the tests below
+see it every time (before, a ``KeyError``).
 The threaded tests force a thread switch every microsecond. Triton's interpreter is not
 thread-safe (it patches ``triton.language`` while a kernel runs): on CPU the interpreter's
 kernel runs are serialised by a lock, and the host work around them, where the caches are
@@ -27,8 +27,7 @@ from test_launcher import _Kernel, _launch, direct  # noqa: F401 (direct: a fixt
 from triton_scaler.kernels import launcher
 
 import triton_scaler
-from triton_scaler import _ops_plans, ops
-from triton_scaler._lru import forget, newest_equal, recent, remember, store_newest
+from triton_scaler import _plan_store, _plans, ops
 
 
 class _EvictedOnRead(OrderedDict):
@@ -50,61 +49,44 @@ class _EmptiedAfterCopy(list):
         return value
 
 
-def test_recent_returns_an_entry_evicted_after_its_read():
-    cache = _EvictedOnRead(a=1, b=2)
-    assert recent(cache, "a") == 1
-    assert list(cache) == ["b"]
-    assert recent(cache, "missing") is None
+def test_a_store_entry_evicted_after_its_read_is_still_returned(monkeypatch):
+    monkeypatch.setattr(_plan_store, "_entries",
+                        _EmptiedAfterCopy([(("k", 1), "a"), (("k", 2), "b")]))
+    assert _plan_store.lookup(("k", 2)) == "b"  # the newest: no move
+    assert _plan_store._entries == []
+    _plan_store._entries.extend([(("k", 1), "a"), (("k", 2), "b")])
+    assert _plan_store.lookup(("k", 1)) == "a"  # moved to the end: the copy written back
+    assert _plan_store._entries == [(("k", 2), "b"), (("k", 1), "a")]
 
 
-def test_remember_keeps_the_newest_entries_and_moves_a_stored_key_to_the_end():
-    cache = OrderedDict()
-    for key in "abcd":
-        remember(cache, key, key.upper(), 3)
-    assert list(cache.items()) == [("b", "B"), ("c", "C"), ("d", "D")]
-    assert remember(cache, "b", "B2", 3) == "B2"
-    assert list(cache.items()) == [("c", "C"), ("d", "D"), ("b", "B2")]
-    assert recent(cache, "c") == "C"
-    assert list(cache) == ["d", "b", "c"]
-
-
-def test_newest_equal_returns_an_entry_evicted_after_its_read():
-    cache = _EmptiedAfterCopy([((1, 2), "a"), ((3, 4), "b")])
-    assert newest_equal(cache, (3, 4)) == "b"  # the newest: no move
-    assert cache == []
-    cache.extend([((1, 2), "a"), ((3, 4), "b")])
-    assert newest_equal(cache, (1, 2)) == "a"  # moved to the end: the copy written back
-    assert cache == [((3, 4), "b"), ((1, 2), "a")]
-
-
-def test_address_keyed_caches_compare_keys_and_never_hash_them():
-    cache = []  # list keys are unhashable: a hash would raise
-    for key in ([1, 2], [1, 3], [2, 2], [3, 3]):
-        store_newest(cache, key, str(key), 3)
-    assert [k for k, _ in cache] == [[1, 3], [2, 2], [3, 3]]  # the oldest dropped
-    assert newest_equal(cache, [1, 3]) == "[1, 3]"  # equal, not the same object
-    assert [k for k, _ in cache] == [[2, 2], [3, 3], [1, 3]]  # made the newest
-    assert newest_equal(cache, [1, 2]) is None
+def test_the_store_compares_keys_and_never_hashes_them(monkeypatch):
+    monkeypatch.setattr(_plan_store, "_entries", [])
+    monkeypatch.setattr(_plan_store, "CAPACITY", 3)
+    entries = _plan_store._entries
+    for key in ([1, 2], [1, 3], [2, 2], [3, 3]):  # list keys are unhashable: a hash would raise
+        _plan_store.keep(key, str(key))
+    assert [k for k, _ in entries] == [[1, 3], [2, 2], [3, 3]]  # the oldest dropped
+    assert _plan_store.lookup([1, 3]) == "[1, 3]"  # equal, not the same object
+    assert [k for k, _ in entries] == [[2, 2], [3, 3], [1, 3]]  # made the newest
+    assert _plan_store.lookup([1, 2]) is None
     # an equal key (not the oldest: its eviction would hide a duplicate) replaced, not added
-    assert store_newest(cache, [3, 3], "again", 3) == "again"
-    assert cache == [([2, 2], "[2, 2]"), ([1, 3], "[1, 3]"), ([3, 3], "again")]
-    forget(cache, [2, 2])
-    forget(cache, [9])
-    assert [k for k, _ in cache] == [[1, 3], [3, 3]]
-    store_newest(cache, [4], "kept by none", 0)  # capacity 0: nothing kept
-    assert cache == []
+    assert _plan_store.keep([3, 3], "again") == "again"
+    assert entries == [([2, 2], "[2, 2]"), ([1, 3], "[1, 3]"), ([3, 3], "again")]
+    _plan_store.drop([2, 2])
+    _plan_store.drop([9])
+    assert [k for k, _ in entries] == [[1, 3], [3, 3]]
+    monkeypatch.setattr(_plan_store, "CAPACITY", 0)
+    _plan_store.keep([4], "kept by none")  # capacity 0: nothing kept
+    assert entries == []
 
 
 def test_a_chunk_table_evicted_between_lookup_and_use(monkeypatch, triton_device):
-    from triton_scaler.kernels import plan
-
     grads = [torch.ones(n, device=triton_device) for n in (5, 4099, 1)]
     numels = tuple(g.numel() for g in grads)
-    table, _ = plan.chunk_table(grads, numels, 4096)
-    monkeypatch.setattr(plan, "_tables", _EvictedOnRead(plan._tables))
-    monkeypatch.setattr(plan, "_chunk_patterns", _EvictedOnRead(plan._chunk_patterns))
-    assert plan.chunk_table(grads, numels, 4096)[0] is table  # the cached one, then evicted
-    again, _ = plan.chunk_table(grads, numels, 4096)  # built anew: patterns and table
+    table, _ = _plans.chunk_table(grads, numels, 4096)
+    monkeypatch.setattr(_plan_store, "_entries", _EmptiedAfterCopy(_plan_store._entries))
+    assert _plans.chunk_table(grads, numels, 4096)[0] is table  # the kept one, then evicted
+    again, _ = _plans.chunk_table(grads, numels, 4096)  # built anew: patterns and table
     assert torch.equal(again, table)
 
 
@@ -114,10 +96,10 @@ def test_kept_ops_plans_evicted_between_lookup_and_launch(monkeypatch, triton_de
     grads[1][-1] = math.inf
     found, inv = torch.zeros((), device=triton_device), torch.full((), 0.5,
                                                                    device=triton_device)
-    _ops_plans.clear()
+    _plan_store.clear()
     for _ in range(2):  # the second call at these addresses stores the guard
         ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")
-    monkeypatch.setattr(_ops_plans, "_stored", _EmptiedAfterCopy(_ops_plans._stored))
+    monkeypatch.setattr(_plan_store, "_entries", _EmptiedAfterCopy(_plan_store._entries))
     ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")  # kept, evicted
     ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")  # planned anew
     expected = [torch.full((n,), scale, device=triton_device) for n in (3, 17, 4100)]
@@ -195,8 +177,10 @@ def _grad_lists(seed: int, device: torch.device) -> list[list[torch.Tensor]]:
     return lists
 
 
-def test_ops_from_several_threads_equal_torch(switching_threads, triton_device):
-    """4 threads x 3 grad lists: 12 lists in turn, more than the 8 whose plans are kept."""
+def test_ops_from_several_threads_equal_torch(switching_threads, triton_device, monkeypatch):
+    """4 threads x 3 grad lists: 12 lists in turn, their plans, tables and size patterns in
+    a store of 8 entries (each list's evicted before it comes back, in most turns)."""
+    monkeypatch.setattr(_plan_store, "CAPACITY", 8)
     calls = 9
     inv = torch.full((), 2.0 ** -7, device=triton_device)
 
@@ -208,7 +192,7 @@ def test_ops_from_several_threads_equal_torch(switching_threads, triton_device):
             found.append(flag)
         return lists, found
 
-    _ops_plans.clear()
+    _plan_store.clear()
     for i, (lists, found) in enumerate(_in_threads(work, 4)):
         expected = [[g.cpu() for g in grads] for grads in _grad_lists(i, triton_device)]
         expected_found = []

@@ -1,6 +1,7 @@
-"""``launch_unscale`` (``kernels/unscale.py``) called on its own: its defaults, what it returns
-(nothing, or a norm partial sum of the grads' precision), a list and its plan alike, and a
-plan cut in the blocks the kernel is launched with.
+"""``launch_unscale`` (``kernels/unscale.py``) called on its own, over plans of
+``triton_scaler._plans``: its defaults, what it returns (nothing, or a norm partial sum of the
+grads' precision, also for no elements), a plan and a kept plan's template rebased alike,
+and a plan cut in the blocks the kernel is launched with.
 
 The kernel's results are tested against torch's op through the ops and the scalers
 (``test_ops_unscale.py``, ``test_clip*.py``), which always pass ``write`` and read the norm
@@ -13,9 +14,16 @@ import torch
 import triton
 from _util import assert_all_same, assert_same
 from triton_scaler.kernels import unscale
-from triton_scaler.kernels.unscale import launch_unscale, plan_unscale
+from triton_scaler.kernels.unscale import launch_unscale as _launch_unscale
+
+from triton_scaler._plans import plan_unscale
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def launch_unscale(grads, *args, **kwargs):
+    """The kernel's launch over a new plan of ``grads``."""
+    return _launch_unscale(plan_unscale(grads), *args, **kwargs)
 
 
 def _grads(sizes, dtype, device, seed=0):
@@ -91,14 +99,18 @@ def test_the_norm_is_summed_in_the_grads_precision(triton_device, dtype, norm_ty
 
 
 @pytest.mark.parametrize("write", [True, False])
-def test_a_list_and_its_plan_launch_alike(triton_device, write):
+def test_a_plan_and_its_template_rebased_launch_alike(triton_device, write):
+    """A kept template (no grads), rebased on its base grad, launches as the plan it was
+    made from (a NaN planted in the last grad's last element is flagged by both)."""
     grads = _grads([9, 4, 130], torch.float16, triton_device, seed=5)
     grads[-1][-1] = math.nan
     twins = [g.clone() for g in grads]
     found, found_twin = _zeros(triton_device), _zeros(triton_device)
     inv = torch.tensor(0.5, device=triton_device)
     launch_unscale(grads, found, inv, write=write)
-    launch_unscale(plan_unscale(twins), found_twin, inv, write=write)
+    template = plan_unscale(twins).template()
+    assert template.base is None
+    _launch_unscale(template.rebased(twins[template.base_index]), found_twin, inv, write=write)
     assert_all_same(grads, twins)
     assert found.item() == found_twin.item() == 1.0
 

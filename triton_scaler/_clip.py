@@ -13,25 +13,21 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from . import reference
-from ._backend import resolve_backend, triton_kernels
+from ._backend import resolve_backend
 from ._distributed import MeshLayout, agree_over_meshes, mesh_layout
 from ._grads import PerDevice, grad_groups
 from ._norms import combine_partials, grad_norm, reference_total_norm
+from ._plans import refuse_group_writes
 from ._traced import clip_grad_norm_ as _traced_clip
 from ._traced import traced_under_compile
 from .buckets import attach_bucket_grads, buckets_of
-from .ops import refuse_overlapping_writes
-
-if TYPE_CHECKING:  # a part of GradScaler beside the step and state it uses
-    from ._step import StepMixin as _ScalerStep
-else:
-    _ScalerStep = object
+from .ops import unscale_group_
 
 
 def _real_or_str(name: str, value: object) -> numbers.Real | str:
@@ -76,9 +72,9 @@ def _group_partial(group, found_inf, scale, norm_type: float, on_triton: bool) -
     max ``|x|``, of the unscaled grads); off Triton (a group on another device than the
     Triton groups) the same from an in-place unscale and torch's norms."""
     if on_triton:
-        return triton_kernels().launch_unscale(group.launch_target(), found_inf, scale,
-                                               write=False, norm=2 if norm_type == 2.0 else -1,
-                                               inv_from_scale=True)
+        return cast(torch.Tensor, unscale_group_(
+            group.grads, found_inf, scale, "triton", False, from_scale=True, group=group,
+            norm=2 if norm_type == 2.0 else -1))
     reference.non_finite_check_and_unscale_(group.grads, found_inf, reference.inv_scale_of(scale))
     norms = [grad_norm(g, norm_type) for g in group.grads if g.numel() or norm_type == 2.0]
     if not norms:
@@ -91,8 +87,8 @@ def _apply_coef(group, found_inf, scale, coef, write_pass: bool) -> None:
     """``dtype(dtype(g * inv_scale) * coef)``: the Triton write pass (``write_pass``), else a
     multiplication of grads already unscaled."""
     if write_pass:
-        triton_kernels().launch_unscale(group.launch_target(), found_inf, scale, write=True,
-                                        clip_coef=coef, inv_from_scale=True)
+        unscale_group_(group.grads, found_inf, scale, "triton", True, from_scale=True,
+                       group=group, clip_coef=coef)
     else:
         torch._foreach_mul_(group.grads, coef)
 
@@ -119,7 +115,7 @@ def _raise_nonfinite(norm_type: float) -> None:
         "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
 
 
-class ClipMixin(_ScalerStep):
+class ClipMixin:
     """``clip_grad_norm_`` of :class:`triton_scaler.GradScaler`."""
 
     if TYPE_CHECKING:  # GradScaler's own
@@ -255,7 +251,7 @@ class ClipMixin(_ScalerStep):
                 total = reference_total_norm(_norm_entries(params), norm_type, shard_group,
                                              device)
             else:
-                refuse_overlapping_writes(groups, self._backend)  # before the read pass
+                refuse_group_writes(groups, self._backend)  # before the read pass
                 partials = [(_group_partial(g, found_for.get(g.device), scale_for.get(g.device),
                                             norm_type, triton), g.mesh_groups)
                             for g, triton in zip(groups, on_triton)]

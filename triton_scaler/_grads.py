@@ -26,15 +26,15 @@ from weakref import WeakKeyDictionary
 import torch
 from torch.amp.grad_scaler import _MultiDeviceReplicator
 
-from ._backend import resolve_backend, triton_kernels
+from . import _plan_store, _plans
+from ._backend import resolve_backend
 from ._distributed import add_groups, local_grad
-from ._lru import forget, newest_equal, store_newest
 from ._op_args import FLOAT_DTYPES, check_grad_dtype
-from ._stored_plans import StoredPlans, tensor_guards
+from ._plan_store import StoredLaunches, tensor_guards
 from .buckets import buckets_of, param_lists, same_param_lists
 
 if TYPE_CHECKING:
-    from triton_scaler.kernels.plan import UnscalePlan
+    from ._kernel_args import UnscalePlan
 
 _GRAD = operator.attrgetter("grad")
 _PARAMS = operator.itemgetter("params")
@@ -42,10 +42,6 @@ _DTYPE = operator.attrgetter("dtype")
 _DEVICE_INDEX = torch.Tensor.get_device
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
-
-#: Address layouts of the grads whose launch plans a layout keeps (the last ones seen).
-_PLAN_CACHE_SIZE = 4
-
 
 class PerDevice(_MultiDeviceReplicator):
     """torch's per-device replicas of a 0-d tensor, without the copy on its own device: the
@@ -76,7 +72,7 @@ class GradGroup:
         """What :func:`triton_scaler.kernels.launch_unscale` takes for this group: the plan,
         built now when not known yet (Triton backend only)."""
         if self.plan is None:
-            self.plan = triton_kernels().plan_unscale(self.grads, self.numels, self.addresses)
+            self.plan = _plans.plan_unscale(self.grads, self.numels, self.addresses)
         return self.plan
 
 
@@ -109,15 +105,11 @@ class _Layout:
         by_key: dict[tuple, list[int]] = defaultdict(list)
         for i, p in enumerate(outside):
             by_key[p.device, p.dtype].append(i)
-        # (device, dtype, picks the group's items out of a list over the outside parameters)
-        self.plain_groups = [(device, dtype, _picker(indices, len(outside)))
+        # (device, dtype, picks the group's items out of a list over the outside parameters,
+        # their indices in that list)
+        self.plain_groups = [(device, dtype, _picker(indices, len(outside)), indices)
                              for (device, dtype), indices in by_key.items()]
         self.has_fp16 = any(dtype == torch.float16 for _, dtype in by_key)
-        # (the grads' addresses, their launch plans), oldest first, for the last address
-        # layouts where every group had a reusable Triton plan, found by comparing addresses
-        # (the newest first), never hashing them. No grad is held:
-        # zero_grad(set_to_none=True) frees them.
-        self.plans: list[tuple[tuple[int, ...], StoredPlans]] = []
 
     def is_current(self, optimizer: torch.optim.Optimizer) -> bool:
         """The optimizer still holds these parameter objects. One C-level identity pass when
@@ -205,46 +197,50 @@ def _groups_fast(layout: _Layout, params: list[torch.Tensor],
     per-grad path) when a grad is None, sparse, not a plain tensor, or not of its parameter's
     dtype and device as the layout knows them.
 
-    Grads at the addresses of the last step's (or of one of the last ``_PLAN_CACHE_SIZE``
-    layouts') and laid out as they were (:meth:`StoredPlans.fit`) reuse that layout's launch
-    plans: one pass reading the grads, one reading their addresses, one C++ call (channels_last
-    and other dense grads too). Caught there: a parameter resized or converted in place
-    (``param.data = ...``, ``module.half()``) whose new grad lands at its old grad's address,
-    a grad assigned as a view with gaps (``p.grad = m[::2]``) or in another memory format at
-    the address and with the size of the grad before it, a parameter swapped into the
-    optimizer's list (its grad is what is read); a grad on another device has another
+    Grads at the addresses of a step whose launches planning's store still keeps (the last
+    step's, or an earlier one's: an allocator cycling its blocks) and laid out as they were
+    (:meth:`StoredLaunches.fit`) reuse those launch plans: one pass reading the grads, one
+    reading their addresses, one C++ call (channels_last and other dense grads too). Caught
+    there: a parameter resized or converted in place (``param.data = ...``,
+    ``module.half()``) whose new grad lands at its old grad's address, a grad assigned as a
+    view with gaps (``p.grad = m[::2]``) or in another memory format at the address and with
+    the size of the grad before it, a parameter swapped into the optimizer's list (its grad
+    is what is read); a grad on another device has another
     address (each device has its own address range)."""
     grads = list(map(_GRAD, params))
     try:
         addresses = tuple(map(_DATA_PTR, grads))
     except (TypeError, RuntimeError):  # a None grad (no data_ptr), a sparse one
         return None
-    # the last step's layout first (one comparison), then the earlier ones: no hash; a
-    # comparison with other addresses stops at the first that differs
-    stored = newest_equal(layout.plans, addresses)
-    if stored is not None and stored.backend == backend and stored.fit(grads):
+    # the newest entries first: no hash; a comparison with other addresses stops at the
+    # first that differs
+    key = ("grads", backend, addresses)
+    stored = _plan_store.lookup(key)
+    if stored is not None and stored.fit(grads):
         groups = []
-        for (device, _, pick), template in zip(layout.plain_groups, stored.templates):
+        for (device, _, pick, _), (index, template) in zip(layout.plain_groups,
+                                                            stored.launches):
             members = pick(grads)
-            base = members[template.base_index]  # its first non-empty grad
+            base = grads[index]  # the group's first non-empty grad
             if base.device != device:
                 break
             groups.append(GradGroup(device, members, plan=template.rebased(base)))
         else:
             return groups
-    return _groups_planned(layout, backend, grads, addresses)
+    return _groups_planned(layout, key, grads)
 
 
-def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
-                    addresses: tuple[int, ...]) -> list[GradGroup] | None:
+def _groups_planned(layout: _Layout, key: tuple, grads: list[torch.Tensor]
+                    ) -> list[GradGroup] | None:
     """New launch plans (a chunk table each) after checking every grad's type, dtype,
     device and size; stored for the next step's :func:`_groups_fast`."""
     if set(map(type, grads)) != {torch.Tensor}:
         return None
+    _, backend, addresses = key
     numels, dtypes = tuple(map(_NUMEL, grads)), tuple(map(_DTYPE, grads))
     groups: list[GradGroup] = []
-    templates: list[UnscalePlan | None] = []  # None: a plan that cannot be kept
-    for device, dtype, pick in layout.plain_groups:
+    launches: list[tuple[int, UnscalePlan] | None] = []  # None: a plan that cannot be kept
+    for device, dtype, pick, indices in layout.plain_groups:
         members = pick(grads)
         # each grad's dtype and device index, then the device itself through the first grad
         # (torch.device objects cost an allocation per grad)
@@ -256,19 +252,20 @@ def _groups_planned(layout: _Layout, backend: str, grads: list[torch.Tensor],
         group = GradGroup(device, members, tuple(pick(numels)), tuple(pick(addresses)))
         if resolve_backend(backend, device) == "triton":
             plan = group.launch_target()
-            templates.append(plan.template() if plan.reusable else None)
+            launches.append((indices[plan.base_index], plan.template()) if plan.reusable
+                            else None)
         groups.append(group)
     stored = None
-    if len(templates) == len(groups) and None not in templates:  # reusable: stored
-        kept = cast("list[UnscalePlan]", templates)
-        stored = StoredPlans(backend, kept, numels, dtypes)
-        if not all(template.contiguous for template in kept):  # strides: the guard's
+    if len(launches) == len(groups) and None not in launches:  # reusable: stored
+        kept = cast("list[tuple[int, UnscalePlan]]", launches)
+        stored = StoredLaunches(kept, grads)
+        if not all(template.contiguous for _, template in kept):  # strides: the guard's
             stored.guard = tensor_guards(grads)
             stored = stored if stored.guard is not None else None
     if stored is not None:
-        store_newest(layout.plans, addresses, stored, _PLAN_CACHE_SIZE)
+        _plan_store.keep(key, stored)
     else:
-        forget(layout.plans, addresses)
+        _plan_store.drop(key)
     return groups
 
 

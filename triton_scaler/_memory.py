@@ -1,5 +1,5 @@
 """Which memory a gradient covers: the checks behind the refusal of grads that share memory
-in ways the Triton kernels cannot unscale as torch's op does (``kernels/plan.py``), and
+in ways the Triton kernels cannot unscale as torch's op does (``_plans.py``), and
 behind the alias rule of both backends (grads that start at the same address are unscaled
 once). Host work on shapes, strides and addresses; offsets counted on the CPU only where
 the strides leave the answer open. No device access."""

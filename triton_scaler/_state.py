@@ -4,7 +4,7 @@ tensors, skip signal, state_dict / load_state_dict and pickling. Kept apart from
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -22,12 +22,6 @@ _INT64_MAX = 2**63 - 1
 #: found_inf flags per iteration, one per optimizer; the last one collects the rare extras
 #: (a ninth optimizer, grads on several devices), so update() reduces all of them in one launch.
 FOUND_INF_SLOTS = 8
-
-
-if TYPE_CHECKING:  # the mixins are parts of GradScaler: checked as torch's class, whose
-    _TorchGradScaler = torch.amp.GradScaler  # attributes they use
-else:
-    _TorchGradScaler = object
 
 
 def fresh_optimizer_state() -> dict[str, Any]:
@@ -53,7 +47,7 @@ def _policy_field(field: str) -> Any:  # a property; Any: torch types those it r
     return property(get, set, doc=f"The policy's ``{field}``.")
 
 
-class ScalerStateMixin(_TorchGradScaler):
+class ScalerStateMixin:
     """State handling shared by GradScaler; expects torch.amp.GradScaler as a later base."""
 
     _policy: ScalePolicy
@@ -175,7 +169,7 @@ class ScalerStateMixin(_TorchGradScaler):
 
     def _rezero_written_padding(self) -> None:
         """Zero again the bucket padding that this iteration's unscale may have turned into
-        NaN (see :meth:`StepMixin._note_written_padding`): one fill per such bucket."""
+        NaN (see :meth:`GradScaler._note_written_padding`): one fill per such bucket."""
         for state in self._per_optimizer_states.values():
             for buffer, padding in state.pop("written_padding", ()):
                 buffer.index_fill_(0, padding, 0)

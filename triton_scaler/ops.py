@@ -8,7 +8,7 @@
 None of these functions synchronises with the host. ``backend`` is ``"auto"`` (Triton for CUDA
 tensors when triton is importable, else the pure-PyTorch reference), ``"reference"`` or
 ``"triton"``. On Triton, calls on grads at the addresses of one of the last eight grad lists,
-laid out as those were, launch that list's plans again (:mod:`._ops_plans`).
+laid out as those were, launch that list's plans again (:func:`._plans.ops_plans`).
 
 Called from code that ``torch.compile`` compiles, each is traced as its registered torch op
 (:mod:`._library`), which runs the same implementation at run time; grads that are tensor
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import reference
+from . import _plans, reference
 from ._backend import Backend, resolve_backend, triton_kernels
 from ._distributed import add_groups, agree_over_meshes, local_grad
 from ._eager import run_eagerly
@@ -35,53 +35,42 @@ from ._op_args import (
     group_grads,
     nested_grad_error,
 )
-from ._ops_plans import unscale_planned
 from .policy import ScalePolicy, cached_policy
 
 if TYPE_CHECKING:
     from ._grads import GradGroup
 
 
-def _on_triton(group: GradGroup | None, backend: str, device: torch.device) -> bool:
-    """Whether :func:`unscale_group_` launches the Triton kernel for this group."""
-    return (group is not None and group.plan is not None) or \
-        resolve_backend(backend, device) == "triton"
-
-
-def refuse_overlapping_writes(groups: Sequence, backend: str) -> None:
-    """Before the first of several :class:`GradGroup` is written: every Triton group's plan
-    built, and grads sharing memory in a way the kernels cannot unscale as torch's op does
-    refused (``RuntimeError``, see ``kernels.refuse_overlapping_writes``), so that a refusal
-    leaves every grad as it was. Host work only; the plans are the launches' own. A group
-    whose plan is set and reusable (no copies, no shared memory: a kept plan, a gradient
-    bucket's) is skipped, so a step that reuses its plans pays two attribute reads a group."""
-    for group in groups:
-        if group.plan is not None and group.plan.reusable:
-            continue
-        if _on_triton(group, backend, group.device):
-            triton_kernels().refuse_overlapping_writes(group.launch_target())
-
-
 def unscale_group_(grads: list[torch.Tensor], found_inf: torch.Tensor,
                    inv_scale: torch.Tensor, backend: str, write: bool, *,
-                   from_scale: bool = False, group: GradGroup | None = None) -> None:
+                   from_scale: bool = False, group: GradGroup | None = None, norm: int = 0,
+                   clip_coef: torch.Tensor | None = None) -> torch.Tensor | None:
     """Unscale (or only check) grads of one device and dtype, with no argument checks: the
-    caller (GradScaler, which groups grads as torch does) guarantees them. ``from_scale``:
-    ``inv_scale`` is the scale itself, whose reciprocal is formed as torch forms it. ``group``:
-    the grads' :class:`GradGroup`, whose ``plan`` (when set) is the launch's host work, built
-    by the caller, which guarantees it matches the grads (a group with a plan is on the
-    Triton backend). On the Triton backend ``grads`` may also be their plan."""
-    if _on_triton(group, backend, found_inf.device):
-        target = group.launch_target() if group is not None else grads
-        triton_kernels().launch_unscale(target, found_inf, inv_scale, write=write,
-                                        inv_from_scale=from_scale)
-        return
+    caller (GradScaler, which groups grads as torch does) guarantees them. The one place,
+    with the ops' own loop below, that launches the unscale kernel.
+
+    ``from_scale``: ``inv_scale`` is the scale itself, whose reciprocal is formed as torch
+    forms it. ``group``: the grads' :class:`GradGroup`, whose ``plan`` (when set) is the
+    launch's host work, built by the caller, which guarantees it matches the grads (a group
+    with a plan is on the Triton backend). ``clip_grad_norm_``'s passes, on the Triton backend
+    only: ``norm`` (2 or -1, ``write=False``) returns the group's sum of squares (max ``|x|``)
+    of the unscaled grads; ``clip_coef`` also multiplies them by it before storing. Returns
+    None otherwise. No host sync."""
+    if (group is not None and group.plan is not None) or \
+            resolve_backend(backend, found_inf.device) == "triton":
+        plan = group.launch_target() if group is not None else _plans.plan_unscale(grads)
+        return triton_kernels().launch_unscale(plan, found_inf, inv_scale, write=write,
+                                               norm=norm, clip_coef=clip_coef,
+                                               inv_from_scale=from_scale)
+    if norm or clip_coef is not None:
+        raise ValueError("the clip's fused passes run on the Triton backend only")
     if from_scale:
         inv_scale = reference.inv_scale_of(inv_scale)
     if write:
         reference.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
     else:
         reference.check_(grads, found_inf, inv_scale)
+    return None
 
 
 def bind_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
@@ -144,8 +133,10 @@ def unscale_or_check(grads, found_inf, inv_scale, backend, write):
             raise
     elif resolved == "triton":  # plans kept for grads at the same addresses (subclasses
         # were unwrapped or refused above: what is not plain is no tensor, which group_grads refuses)
-        unscale_planned(grads, found_inf, inv_scale, write,
-                        lambda: group_grads(grads, found_inf.device, plain))
+        kernels = triton_kernels()
+        for plan in _plans.ops_plans(grads, found_inf.device, write,
+                                     lambda: group_grads(grads, found_inf.device, plain)):
+            kernels.launch_unscale(plan, found_inf, inv_scale, write=write)
     else:
         for group in group_grads(grads, found_inf.device, plain):
             unscale_group_(group, found_inf, inv_scale, "reference", write)

@@ -17,13 +17,11 @@ from typing import Any
 
 import torch
 
+from ._kernel_args import PARAMS_LAYOUT  # the update kernel's float64 buffer, in order
+
 FP32_MAX = float(torch.finfo(torch.float32).max)
 FP32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32, 2**-126
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-
-#: The update kernel's float64 parameter buffer, in this order.
-PARAMS_LAYOUT = ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale",
-                 "hysteresis")
 
 Namer = Callable[[str], str]
 

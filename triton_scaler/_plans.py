@@ -1,0 +1,267 @@
+"""Launch planning of the unscale kernel: which memory a launch covers, how it is cut into
+chunks, and which plans are kept for grads that come back to the same addresses.
+
+* :func:`plan_unscale`: one launch's :class:`UnscalePlan` (the base tensor, the chunk table
+  or flat size, the grid, the contiguous copies non-dense grads need, a write's refusal);
+* :func:`chunk_table`: the ``(start, length)`` rows of a many-tensor launch, kept in the
+  store (:mod:`._plan_store`) by the tensors' addresses and sizes, and for good once a CUDA
+  graph has captured their upload;
+* :func:`ops_plans`: the plans of :mod:`.ops`' calls, kept in the store per grad list;
+  :mod:`._grads` keeps :class:`GradScaler`'s there the same way.
+
+The kernels (``triton_scaler.kernels``) only launch plans; no Triton code here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from . import _plan_store
+from ._backend import resolve_backend, triton_kernels
+from ._kernel_args import UnscalePlan
+from ._memory import extent, is_dense, overlaps, share_elements
+from ._plan_store import StoredLaunches
+
+_DATA_PTR = torch.Tensor.data_ptr
+_NUMEL = torch.Tensor.numel
+
+
+def plan_unscale(grads: list[torch.Tensor], numels: tuple[int, ...] | None = None,
+                 addresses: tuple[int, ...] | None = None) -> UnscalePlan:
+    """The host work of a launch over same-device, same-dtype ``grads`` in the blocks the
+    kernel is launched with. ``numels`` / ``addresses``: the grads' sizes / data pointers
+    when the caller already has them. Empty grads are left out; grads that start at the
+    address of an earlier one (aliases) are covered once. No host sync."""
+    return build_plan(grads, numels, addresses, triton_kernels().unscale.block())
+
+
+def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
+               addresses: tuple[int, ...] | None, block: int) -> UnscalePlan:
+    """:func:`plan_unscale` in chunks of ``block`` elements."""
+    if numels is None:
+        numels = tuple(map(_NUMEL, grads))  # C-level passes: cheap per grad
+    fp64 = bool(grads) and grads[0].dtype == torch.float64
+    base_index = 0
+    if 0 in numels:
+        base_index = next((i for i, n in enumerate(numels) if n), 0)
+        kept = [(g, n) for g, n in zip(grads, numels) if n]
+        grads, numels, addresses = [g for g, _ in kept], tuple(n for _, n in kept), None
+    if not grads:
+        return UnscalePlan(None, 0, None, 0, 0, [], True, fp64=fp64)
+    copies = []
+    dense = grads
+    contiguous = all(map(torch.Tensor.is_contiguous, grads))
+    if not contiguous:  # channels_last, transposed, gapped: Python work per such grad
+        dense, addresses = [], None
+        for g in grads:
+            flat = g if g.is_contiguous() else _flat_memory(g)
+            if flat is None:  # overlapping or with gaps: a correct, slower fallback
+                flat = g.contiguous()
+                copies.append((g, flat))
+            dense.append(flat)
+        numels = tuple(map(_NUMEL, dense))
+    refusal = _copy_refusal(copies)
+    if len(dense) == 1:
+        return UnscalePlan(dense[0], base_index, None, numels[0], -(-numels[0] // block),
+                           copies, contiguous, fp64=fp64, refusal=refusal)
+    table, overlapping = chunk_table(dense, numels, block, addresses)
+    overlapping = overlapping or bool(copies) and \
+        _copied_grad_shares_memory(grads, [g for g, _ in copies])
+    return UnscalePlan(dense[0], base_index, table, 0, table.shape[0], copies, contiguous,
+                       overlapping=overlapping, fp64=fp64,
+                       refusal=_SHARED if overlapping else refusal)
+
+
+_SHARED = ("unsupported operation: two gradients share part of their memory (one starts "
+           "inside another; grads that start at the same address are unscaled once); "
+           "torch's op multiplies the shared memory once per gradient, the Triton kernel's "
+           "programs in no fixed order: clone() one of them before unscaling")
+
+
+def _copy_refusal(copies: list) -> str | None:
+    """Why a write through these copies would not give torch's op's result: a grad whose own
+    elements share memory (expanded, or ``as_strided`` with overlapping strides), which its
+    contiguous copy would multiply once per location, where torch's op does once per element
+    (and raises for an expanded one). None when no copied grad is such."""
+    for g, _ in copies:
+        if overlaps(tuple(g.shape), g.stride()):
+            return ("unsupported operation: more than one element of a gradient refers to a "
+                    f"single memory location (shape {tuple(g.shape)}, strides {g.stride()}); "
+                    "clone() it before unscaling. torch's op multiplies such memory once per "
+                    "element that refers to it; the Triton backend refuses it rather than "
+                    "give another result")
+    return None
+
+
+def refuse_overlapping_writes(plan: UnscalePlan) -> None:
+    """Raise ``RuntimeError`` where a write over ``plan`` would not give torch's op's result
+    (``plan.refusal``): two grads that share part of their memory (one starts inside
+    another), which torch's op multiplies once per grad and the kernel's programs in no
+    fixed order; a grad whose own elements share memory. A write pass calls this before its
+    first launch (the kernel's launch refuses too); a read-only check may read such memory."""
+    if plan.refusal is not None:
+        raise RuntimeError(plan.refusal)
+
+
+def refuse_group_writes(groups: Sequence, backend: str) -> None:
+    """Before the first of several :class:`GradGroup` is written: every Triton group's plan
+    built, and its write refused where :func:`refuse_overlapping_writes` says so, so that a
+    refusal leaves every grad as it was. Host work only; the plans are the launches' own. A
+    group whose plan is set and reusable (a kept plan, a gradient bucket's) is skipped, so a
+    step that reuses its plans pays two attribute reads a group."""
+    for group in groups:
+        if group.plan is not None and group.plan.reusable:
+            continue
+        if group.plan is not None or resolve_backend(backend, group.device) == "triton":
+            refuse_overlapping_writes(group.launch_target())
+
+
+def ops_plans(grads: list[torch.Tensor], device: torch.device, write: bool,
+              group_grads: Callable[[], Iterable[list[torch.Tensor]]]) -> list[UnscalePlan]:
+    """The launches of :mod:`.ops`' Triton call over plain tensors ``grads`` (the flag on
+    ``device``): the stored ones when the grads are at the addresses of an earlier list and
+    pass its guard (torch's ``TensorGuards``, one C++ call), else planned through
+    ``group_grads()`` (the ops' argument checks and grouping by dtype), every write refused
+    first where it must be, and stored when every plan can be kept (none needs contiguous
+    copies). The guard is built from grads that passed every check, at the second call at
+    those addresses: a one-off list pays nothing for it, and a torch without
+    ``TensorGuards`` plans every call. No host sync."""
+    try:
+        key = ("ops", device, tuple(map(_DATA_PTR, grads)))
+    except (TypeError, RuntimeError):  # a grad without a data pointer (sparse): checked below
+        key = None
+    stored = _plan_store.lookup(key) if key is not None else None
+    if stored is not None and stored.fit(grads):
+        return [template.rebased(grads[index]) for index, template in stored.launches]
+    # usually one group, ``grads`` itself: its addresses known
+    plans = [(members, plan_unscale(members, None,
+                                    key[2] if members is grads and key else None))
+             for members in group_grads()]
+    for _, plan in plans if write else ():
+        refuse_overlapping_writes(plan)
+    if key is not None and all(plan.reusable for _, plan in plans):
+        guard = _plan_store.tensor_guards(grads) if stored is not None else None
+        if stored is None or guard is not None:
+            launches = [(_index_in(grads, members, plan.base_index), plan.template())
+                        for members, plan in plans if plan.grid]
+            _plan_store.keep(key, StoredLaunches(launches, grads, guard, python_check=False))
+            return [plan for _, plan in plans]
+    if key is not None:
+        _plan_store.drop(key)
+    return [plan for _, plan in plans]
+
+
+def _index_in(grads: list[torch.Tensor], members: list[torch.Tensor], index: int) -> int:
+    """The index in ``grads`` of ``members[index]`` (``members``: the grads of one dtype,
+    in their order; usually ``grads`` itself)."""
+    if members is grads or len(members) == len(grads):
+        return index
+    dtype = members[0].dtype
+    return [i for i, g in enumerate(grads) if g.dtype == dtype][index]
+
+
+def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
+                addresses: tuple[int, ...] | None = None) -> tuple[torch.Tensor, bool]:
+    """The chunk table of contiguous, non-empty, same-dtype ``grads`` on one device, whose
+    sizes are ``numels``: an int64 ``[n_chunks, 2]`` device tensor of ``(start, length)`` rows,
+    start in elements from ``grads[0]``. Every chunk but a tensor's last is ``block`` long.
+    Also whether two grads share part of their memory (one starts inside another; grads that
+    start at the same address count once): their chunks would overlap.
+
+    Kept in the store on the grads' addresses and sizes, so a training loop whose grads keep
+    their storage builds it once; a hit costs one pass over the grads' addresses. Grads at
+    new addresses with sizes seen before (:func:`_chunks`) cost six small ops, and the
+    shared-memory check five more (a sort of the starts).
+    """
+    first = grads[0]
+    if addresses is None:
+        addresses = tuple(map(_DATA_PTR, grads))
+    key = ("table", first.device, first.dtype, block, addresses, numels)
+    entry = _plan_store.lookup(key)
+    if entry is not None:
+        return entry
+    unique_addresses, numels = _without_aliases(addresses, numels)
+    owner, offset, length, sizes = _chunks(numels, block)
+    rel = torch.tensor(unique_addresses, dtype=torch.int64, device="cpu").sub_(unique_addresses[0])
+    rel = rel.div_(first.element_size(), rounding_mode="floor")
+    overlapping = _ranges_overlap(rel, sizes)
+    table = torch.stack([rel[owner].add_(offset), length], 1)
+    if first.is_cuda:  # pinned + non_blocking: the upload does not wait for the stream
+        host = table.pin_memory()
+        table = host.to(first.device, non_blocking=True)
+        if torch.cuda.is_current_stream_capturing():  # the graph replays this upload
+            _captured[id(host)] = host
+    return _plan_store.keep(key, (table, overlapping))
+
+
+#: The pinned host buffers of table uploads that a captured CUDA graph replays: a graph keeps
+#: raw addresses, so these live as long as the process, whatever the store drops.
+_captured: dict[int, torch.Tensor] = {}
+
+
+def _ranges_overlap(starts: torch.Tensor, lengths: torch.Tensor) -> bool:
+    """Whether two of the ranges ``[start, start + length)`` (CPU int64, distinct starts)
+    overlap: some range, in the order of their starts, ends after the next one starts. CPU
+    tensors, answered by ``torch.equal`` (no device sync, no tensor read on the host)."""
+    if starts.numel() < 2:
+        return False
+    starts, order = starts.sort()
+    ends = lengths[order].add_(starts)[:-1]
+    return not torch.equal(torch.minimum(ends, starts[1:]), ends)
+
+
+def _chunks(numels: tuple[int, ...], block: int) -> tuple[torch.Tensor, ...]:
+    """The part of a chunk table that depends on the sizes alone, per chunk: its tensor's
+    index, its offset in that tensor and its length; and the sizes (CPU int64). Kept in the
+    store on the sizes, so grads at new addresses with the sizes
+    of earlier ones (a training step whose allocator handed out other blocks) only add their
+    tensors' offsets: six small ops (and the shared-memory check's five)."""
+    key = ("sizes", numels, block)
+    chunks = _plan_store.lookup(key)
+    if chunks is not None:
+        return chunks
+    sizes = torch.tensor(numels, dtype=torch.int64, device="cpu")
+    n_chunks = (sizes + block - 1) // block
+    owner = torch.repeat_interleave(torch.arange(len(numels), device="cpu"), n_chunks)
+    first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
+    offset = (torch.arange(owner.numel(), device="cpu") - first_chunk[owner]) * block
+    return _plan_store.keep(key, (owner, offset, torch.clamp(sizes[owner] - offset, max=block),
+                                  sizes))
+
+
+def _flat_memory(t: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D contiguous view of ``t``'s memory when ``t`` is dense and non-overlapping in
+    some dimension order (channels_last, a transpose), else None."""
+    return t.as_strided((t.numel(),), (1,)) if is_dense(t) else None
+
+
+def _copied_grad_shares_memory(grads: list[torch.Tensor], copied: list[torch.Tensor]) -> bool:
+    """Whether a grad unscaled through a copy (gapped, or overlapping itself) shares memory
+    with another grad of the launch: its copy lies elsewhere, so the chunk table's range test
+    does not see it. Spans swept in address order (Python: a plan with copies already passes
+    over its grads one by one); offsets counted only for spans that meet."""
+    copied_ids = set(map(id, copied))
+    spans = sorted((g.data_ptr(), g.data_ptr() + extent(g) * g.element_size(), i)
+                   for i, g in enumerate(grads))
+    reaching: list[tuple[int, int]] = []  # (end, index) of the spans begun so far
+    for start, end, i in spans:
+        reaching = [(e, j) for e, j in reaching if e > start]
+        for _, j in reaching:
+            if (id(grads[i]) in copied_ids or id(grads[j]) in copied_ids) and \
+                    share_elements(grads[i], grads[j]):
+                return True
+        reaching.append((end, i))
+    return False
+
+
+def _without_aliases(addresses: tuple[int, ...], numels: tuple[int, ...]):
+    """Drop grads that start at the address of an earlier one (``p2.grad = p1.grad``): each
+    memory location is unscaled once. Non-empty grads only (the caller drops empty ones)."""
+    if len(set(addresses)) == len(addresses):
+        return addresses, numels
+    seen: dict[int, int] = {}
+    for address, n in zip(addresses, numels):
+        seen[address] = max(n, seen.get(address, 0))
+    return tuple(seen), tuple(seen.values())
