@@ -93,7 +93,7 @@ def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
         _remember(cache, key, compiled)
 
 
-def _remember(cache: OrderedDict, key: tuple, compiled) -> None:
+def _remember(cache: OrderedDict, key: tuple | None, compiled) -> None:
     """Keep ``compiled`` under ``key``, dropping the least recently used launches beyond
     ``_CAPACITY`` (a loop's few launches all fit). Safe when another thread changes
     the cache meanwhile (a lost entry is a later ``kernel[grid]``, not an error)."""

@@ -217,6 +217,7 @@ def launch_unscale(
     if not plan.grid:  # no elements
         return None if not norm else found_inf.new_zeros((), dtype=_partial_dtype(plan.fp64))
     base = plan.base
+    assert base is not None  # a plan with elements has its base
     fp64 = base.dtype == torch.float64
     partials = found_inf.new_empty(plan.grid, dtype=_partial_dtype(fp64)) if norm else found_inf
     if plan.table is not None and base.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -24,6 +24,7 @@ from ._distributed import MeshLayout, agree_over_meshes, mesh_layout
 from ._grads import PerDevice, grad_groups
 from ._norms import combine_partials, grad_norm, reference_total_norm
 from ._plans import refuse_group_writes
+from ._state import ScalerStateMixin
 from ._traced import clip_grad_norm_ as _traced_clip
 from ._traced import traced_under_compile
 from .buckets import attach_bucket_grads, buckets_of
@@ -115,15 +116,20 @@ def _raise_nonfinite(norm_type: float) -> None:
         "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
 
 
-class ClipMixin:
-    """``clip_grad_norm_`` of :class:`triton_scaler.GradScaler`."""
+class ClipMixin(ScalerStateMixin):
+    """:class:`GradScaler`'s ``clip_grad_norm_``: the unscale and the clip in two passes."""
 
-    if TYPE_CHECKING:  # GradScaler's own
+    if TYPE_CHECKING:  # GradScaler's own, which the clip calls
         _unscales_fp16: bool
 
         def _overrides_unscale_grads(self) -> bool: ...
 
         def _ready_to_unscale(self, optimizer: torch.optim.Optimizer, funcname: str) -> dict: ...
+
+        def _agree_found_inf(self, state: dict[str, Any]) -> torch.Tensor: ...
+
+        def _note_written_padding(self, optimizer: torch.optim.Optimizer,
+                                  groups: list) -> None: ...
 
     @traced_under_compile(_traced_clip)
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,

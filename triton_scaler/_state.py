@@ -47,8 +47,9 @@ def _policy_field(field: str) -> Any:  # a property; Any: torch types those it r
     return property(get, set, doc=f"The policy's ``{field}``.")
 
 
-class ScalerStateMixin:
-    """State handling shared by GradScaler; expects torch.amp.GradScaler as a later base."""
+class ScalerStateMixin(torch.amp.GradScaler):
+    """:class:`GradScaler`'s state beside torch's: the settings (a :class:`ScalePolicy`), the
+    device tensors, the skip signal, checkpoints (state_dict, pickling)."""
 
     _policy: ScalePolicy
     _backend: Backend  # GradScaler's arguments

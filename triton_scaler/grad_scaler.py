@@ -21,7 +21,6 @@ from ._distributed import agree_over_meshes
 from ._eager import eager_under_compile, run_eagerly
 from ._grads import PerDevice, grad_groups
 from ._plans import refuse_group_writes
-from ._state import ScalerStateMixin
 from ._step import step_takes_grad_scaler
 from ._traced import traced_under_compile
 from ._warn import warn_at_caller
@@ -34,7 +33,7 @@ class MinScaleReachedError(RuntimeError):
     ``raise_at_min_scale=True`` (DeepSpeed's ``raise_error_at_min_scale``)."""
 
 
-class GradScaler(ClipMixin, ScalerStateMixin, torch.amp.GradScaler):
+class GradScaler(ClipMixin):
     """Drop-in replacement for :class:`torch.amp.GradScaler`.
 
     The positional arguments and defaults are torch's; with them the scale trajectory, growth

@@ -7,8 +7,9 @@
 
 None of these functions synchronises with the host. ``backend`` is ``"auto"`` (Triton for CUDA
 tensors when triton is importable, else the pure-PyTorch reference), ``"reference"`` or
-``"triton"``. On Triton, calls on grads at the addresses of one of the last eight grad lists,
-laid out as those were, launch that list's plans again (:func:`._plans.ops_plans`).
+``"triton"``. On Triton, calls on grads at the addresses of a recent grad list, laid out as
+it was, launch that list's plans again (:func:`._plans.ops_plans`, kept in planning's one
+bounded store, :mod:`._plan_store`).
 
 Called from code that ``torch.compile`` compiles, each is traced as its registered torch op
 (:mod:`._library`), which runs the same implementation at run time; grads that are tensor

@@ -1,0 +1,68 @@
+"""The layers' boundaries, read from the source: ``kernels/`` imports nothing from the package
+but the description of its arguments (``triton_scaler/_kernel_args.py``), the unscale kernel
+is launched from ``triton_scaler/ops.py`` alone, and launch planning keeps what it reuses in
+one bounded store, which a scaler step and an ops call both fill."""
+
+import ast
+from pathlib import Path
+
+import torch
+
+from triton_scaler import GradScaler, _plan_store, ops
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a file imports (absolute names; relative ones as ``.name``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." * node.level + (node.module or ""))
+    return names
+
+
+def test_kernels_import_only_the_description_of_their_arguments():
+    files = sorted((ROOT / "kernels").glob("*.py"))
+    assert files
+    for path in files:
+        from_package = {name for name in _imported_modules(path)
+                        if name.startswith("triton_scaler")}
+        assert from_package <= {"triton_scaler._kernel_args"}, (path.name, from_package)
+
+
+def test_the_unscale_kernel_is_launched_from_the_ops_alone():
+    callers = set()
+    for path in sorted((ROOT / "triton_scaler").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr == "launch_unscale":
+                callers.add(path.name)
+    assert callers == {"ops.py"}
+
+
+def test_a_scaler_step_and_an_ops_call_keep_their_plans_in_the_one_store(
+        monkeypatch, triton_device):
+    """Their launches, the chunk table and its size pattern are entries of one store, which
+    never holds more than its capacity (here 3: the oldest entries go)."""
+    _plan_store.clear()
+    params = [torch.nn.Parameter(torch.ones(n, device=triton_device)) for n in (5, 4099, 3)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = GradScaler(triton_device.type, backend="triton")
+    for _ in range(2):
+        scaler.scale(sum(p.sum() for p in params)).backward()
+        scaler.step(opt)
+        scaler.update()
+    found = torch.zeros((), device=triton_device)
+    ops.non_finite_check_and_unscale_([torch.ones(7, device=triton_device),
+                                       torch.ones(9, device=triton_device)], found,
+                                      torch.ones((), device=triton_device), backend="triton")
+    kinds = {kind: _plan_store.count(kind) for kind in ("grads", "ops", "table", "sizes")}
+    assert kinds == {"grads": 1, "ops": 1, "table": 2, "sizes": 2}
+    monkeypatch.setattr(_plan_store, "CAPACITY", 3)
+    _plan_store.keep(("other",), None)
+    assert len(_plan_store._entries) == 3 and _plan_store._entries[-1][0] == ("other",)
+    _plan_store.clear()
+
