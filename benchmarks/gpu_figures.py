@@ -125,10 +125,10 @@ def launch_row(device: torch.device, smoke: bool) -> dict:
     """Host microseconds per call, the GPU not waited for: torch's foreach op, our public op
     and our launcher with a prepared plan, each over one 1024-element fp32 tensor; ours
     through Triton's launcher and (``direct``, the default) through the compiled kernel's."""
-    from triton_scaler._plans import plan_unscale
     from triton_scaler.kernels import launch_unscale
 
     from triton_scaler import ops
+    from triton_scaler._plans import plan_unscale
 
     g = torch.zeros(1024, device=device)
     found, one = torch.zeros((), device=device), torch.ones((), device=device)

@@ -50,6 +50,7 @@ def test_dense_new_memory_misses_every_step(monkeypatch):
     """``dense`` new memory is new to triton_scaler's caches every step, its chunk table too
     (built through ``_without_aliases`` on a miss only), also once the shifts come round."""
     from _host_cost import _SHIFTS
+
     from triton_scaler import _plans as plan
 
     built = []
