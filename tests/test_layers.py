@@ -46,7 +46,7 @@ def test_the_unscale_kernel_is_launched_from_the_ops_alone():
 def test_a_scaler_step_and_an_ops_call_keep_their_plans_in_the_one_store(
         monkeypatch, triton_device):
     """Their launches, the chunk table and its size pattern are entries of one store, which
-    never holds more than its capacity (here 3: the oldest entries go)."""
+    never holds more than its capacity of each kind (here 3: the oldest entries go)."""
     _plan_store.clear()
     params = [torch.nn.Parameter(torch.ones(n, device=triton_device)) for n in (5, 4099, 3)]
     opt = torch.optim.SGD(params, lr=0.1)
@@ -62,7 +62,9 @@ def test_a_scaler_step_and_an_ops_call_keep_their_plans_in_the_one_store(
     kinds = {kind: _plan_store.count(kind) for kind in ("grads", "ops", "table", "sizes")}
     assert kinds == {"grads": 1, "ops": 1, "table": 2, "sizes": 2}
     monkeypatch.setattr(_plan_store, "CAPACITY", 3)
-    _plan_store.keep(("other",), None)
-    assert len(_plan_store._entries) == 3 and _plan_store._entries[-1][0] == ("other",)
+    for i in range(4):
+        _plan_store.keep(("table", i), i)
+    assert _plan_store.count("table") == 3 and _plan_store.lookup(("table", 0)) is None
+    assert _plan_store.count("grads") == 1
     _plan_store.clear()
 

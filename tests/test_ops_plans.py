@@ -209,11 +209,11 @@ def test_a_sparse_grad_among_stored_ones_is_refused(triton_device, plans):
 
 @pytest.mark.parametrize("n_lists", [8, 9])
 def test_the_store_keeps_the_most_recent_grad_lists(triton_device, plans, n_lists, monkeypatch):
-    """Lists in turn, three rounds, each list three entries (its launches, its chunk table,
-    its sizes) in a store of 24: eight are all kept (the third round plans nothing); with
-    one more, each is evicted (least recently used) before its next call, and every call
-    plans. Every call still as torch's."""
-    monkeypatch.setattr(_plan_store, "CAPACITY", 24)
+    """Lists in turn, three rounds, in a store of 8 entries of each kind (launches, chunk
+    tables, sizes): eight are all kept (the third round plans nothing); with one more, each
+    is evicted (least recently used) before its next call, and every call plans. Every call
+    still as torch's."""
+    monkeypatch.setattr(_plan_store, "CAPACITY", 8)
     lists = [[torch.empty(n + k, device=triton_device) for n in (3, 4097)]
              for k in range(n_lists)]
     for call in range(3):

@@ -49,15 +49,14 @@ def test_reused_plans_with_empty_grads(backend, layout):
     assert_matches_torch(run, backend, init_scale=4.0, growth_interval=1)
 
 
-# in a store of 9 entries, 4: as many layouts as it keeps (each its launches and its chunk
-# table, all one size pattern); 5: more
+# in a store of 4 entries of each kind, 4: as many layouts as it keeps; 5: more
 @pytest.mark.parametrize("n_layouts", [2, 4, 5])
 def test_grads_cycling_through_memory_layouts(backend, n_layouts, monkeypatch):
     """Grads whose memory cycles through a few address layouts (an allocator handing back
     the blocks of an earlier step) reuse those layouts' launch plans, and more layouts than
     are kept replan: inf / NaN / -inf planted at the first and last element of the first and
     last grad skip exactly torch's steps, and the parameters equal torch's."""
-    monkeypatch.setattr(_plan_store, "CAPACITY", 9)
+    monkeypatch.setattr(_plan_store, "CAPACITY", 4)
     _plan_store.clear()
     sizes = (7, 300, 1, 0, 33)
 

@@ -50,33 +50,38 @@ class _EmptiedAfterCopy(list):
 
 
 def test_a_store_entry_evicted_after_its_read_is_still_returned(monkeypatch):
-    monkeypatch.setattr(_plan_store, "_entries",
-                        _EmptiedAfterCopy([(("k", 1), "a"), (("k", 2), "b")]))
+    entries = _EmptiedAfterCopy([(("k", 1), "a"), (("k", 2), "b")])
+    monkeypatch.setattr(_plan_store, "_entries", {"k": entries})
     assert _plan_store.lookup(("k", 2)) == "b"  # the newest: no move
-    assert _plan_store._entries == []
-    _plan_store._entries.extend([(("k", 1), "a"), (("k", 2), "b")])
+    assert entries == []
+    entries.extend([(("k", 1), "a"), (("k", 2), "b")])
     assert _plan_store.lookup(("k", 1)) == "a"  # moved to the end: the copy written back
-    assert _plan_store._entries == [(("k", 2), "b"), (("k", 1), "a")]
+    assert entries == [(("k", 2), "b"), (("k", 1), "a")]
 
 
 def test_the_store_compares_keys_and_never_hashes_them(monkeypatch):
-    monkeypatch.setattr(_plan_store, "_entries", [])
+    """Keys of one kind (their first item) compared with ``==``: list items, which a hash
+    would refuse, are found; each kind keeps its ``CAPACITY`` most recently used."""
+    monkeypatch.setattr(_plan_store, "_entries", {})
     monkeypatch.setattr(_plan_store, "CAPACITY", 3)
-    entries = _plan_store._entries
-    for key in ([1, 2], [1, 3], [2, 2], [3, 3]):  # list keys are unhashable: a hash would raise
-        _plan_store.keep(key, str(key))
-    assert [k for k, _ in entries] == [[1, 3], [2, 2], [3, 3]]  # the oldest dropped
-    assert _plan_store.lookup([1, 3]) == "[1, 3]"  # equal, not the same object
-    assert [k for k, _ in entries] == [[2, 2], [3, 3], [1, 3]]  # made the newest
-    assert _plan_store.lookup([1, 2]) is None
+    _plan_store.keep(("other", [0]), "of another kind")
+    for key in (("k", [1, 2]), ("k", [1, 3]), ("k", [2, 2]), ("k", [3, 3])):
+        _plan_store.keep(key, str(key[1]))
+    entries = _plan_store._entries["k"]
+    assert [k[1] for k, _ in entries] == [[1, 3], [2, 2], [3, 3]]  # the oldest dropped
+    assert _plan_store.lookup(("k", [1, 3])) == "[1, 3]"  # equal, not the same object
+    assert [k[1] for k, _ in entries] == [[2, 2], [3, 3], [1, 3]]  # made the newest
+    assert _plan_store.lookup(("k", [1, 2])) is None
     # an equal key (not the oldest: its eviction would hide a duplicate) replaced, not added
-    assert _plan_store.keep([3, 3], "again") == "again"
-    assert entries == [([2, 2], "[2, 2]"), ([1, 3], "[1, 3]"), ([3, 3], "again")]
-    _plan_store.drop([2, 2])
-    _plan_store.drop([9])
-    assert [k for k, _ in entries] == [[1, 3], [3, 3]]
+    assert _plan_store.keep(("k", [3, 3]), "again") == "again"
+    assert entries == [(("k", [2, 2]), "[2, 2]"), (("k", [1, 3]), "[1, 3]"),
+                       (("k", [3, 3]), "again")]
+    _plan_store.drop(("k", [2, 2]))
+    _plan_store.drop(("k", [9]))
+    assert [k[1] for k, _ in entries] == [[1, 3], [3, 3]]
+    assert _plan_store.count("other") == 1 and _plan_store.lookup(("other", [0])) is not None
     monkeypatch.setattr(_plan_store, "CAPACITY", 0)
-    _plan_store.keep([4], "kept by none")  # capacity 0: nothing kept
+    _plan_store.keep(("k", [4]), "kept by none")  # capacity 0: nothing kept
     assert entries == []
 
 
@@ -84,7 +89,9 @@ def test_a_chunk_table_evicted_between_lookup_and_use(monkeypatch, triton_device
     grads = [torch.ones(n, device=triton_device) for n in (5, 4099, 1)]
     numels = tuple(g.numel() for g in grads)
     table, _ = _plans.chunk_table(grads, numels, 4096)
-    monkeypatch.setattr(_plan_store, "_entries", _EmptiedAfterCopy(_plan_store._entries))
+    for kind in ("table", "sizes"):
+        monkeypatch.setitem(_plan_store._entries, kind,
+                            _EmptiedAfterCopy(_plan_store._entries[kind]))
     assert _plans.chunk_table(grads, numels, 4096)[0] is table  # the kept one, then evicted
     again, _ = _plans.chunk_table(grads, numels, 4096)  # built anew: patterns and table
     assert torch.equal(again, table)
@@ -99,7 +106,8 @@ def test_kept_ops_plans_evicted_between_lookup_and_launch(monkeypatch, triton_de
     _plan_store.clear()
     for _ in range(2):  # the second call at these addresses stores the guard
         ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")
-    monkeypatch.setattr(_plan_store, "_entries", _EmptiedAfterCopy(_plan_store._entries))
+    monkeypatch.setitem(_plan_store._entries, "ops",
+                        _EmptiedAfterCopy(_plan_store._entries["ops"]))
     ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")  # kept, evicted
     ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")  # planned anew
     expected = [torch.full((n,), scale, device=triton_device) for n in (3, 17, 4100)]
@@ -178,8 +186,8 @@ def _grad_lists(seed: int, device: torch.device) -> list[list[torch.Tensor]]:
 
 
 def test_ops_from_several_threads_equal_torch(switching_threads, triton_device, monkeypatch):
-    """4 threads x 3 grad lists: 12 lists in turn, their plans, tables and size patterns in
-    a store of 8 entries (each list's evicted before it comes back, in most turns)."""
+    """4 threads x 3 grad lists: 12 lists in turn, more than the store keeps of each kind
+    (here 8): plans, tables and size patterns evicted and made again meanwhile."""
     monkeypatch.setattr(_plan_store, "CAPACITY", 8)
     calls = 9
     inv = torch.full((), 2.0 ** -7, device=triton_device)

@@ -258,7 +258,7 @@ def _groups_planned(layout: _Layout, key: tuple, grads: list[torch.Tensor]
     stored = None
     if len(launches) == len(groups) and None not in launches:  # reusable: stored
         kept = cast("list[tuple[int, UnscalePlan]]", launches)
-        stored = StoredLaunches(kept, grads)
+        stored = StoredLaunches(kept, numels, dtypes)
         if not all(template.contiguous for _, template in kept):  # strides: the guard's
             stored.guard = tensor_guards(grads)
             stored = stored if stored.guard is not None else None

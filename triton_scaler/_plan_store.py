@@ -1,8 +1,7 @@
 """The one bounded store of launch planning: what the unscale launches of one grad list need
 again when the same grads (or new grads the allocator puts at the same blocks) come back.
 
-Entries ``(key, value)``, oldest first, at most :data:`CAPACITY`, the least recently used
-dropped. A key is a tuple whose first item names what it keeps:
+A key is a tuple whose first item names what it keeps:
 
 * ``("sizes", numels, block)``: a chunk table's part that depends on the sizes alone;
 * ``("table", device, dtype, block, addresses, numels)``: a chunk table, uploaded;
@@ -11,13 +10,15 @@ dropped. A key is a tuple whose first item names what it keeps:
   outside gradient buckets, one per (device, dtype) group.
 
 The last two hold :class:`StoredLaunches`: plan templates (no grad) and what tells that new
-grads at those addresses are laid out as the grads they were made for. Keys are compared
-with ``==``, never hashed: a hash reads every one of 10,000 addresses at each lookup, while a
-comparison with a key of another kind or other addresses stops at its first difference.
+grads at those addresses are laid out as the grads they were made for. Each kind keeps its
+:data:`CAPACITY` most recently used entries, oldest first, so that a lookup compares a key
+with entries of its own kind only. Keys are compared with ``==``, never hashed: a hash reads
+every one of 10,000 addresses at each lookup, while a comparison with other addresses stops
+at the first that differs.
 
-Safe when several threads launch (each its own model and scaler): the list is changed by
-whole-list assignments from a copy (an entry another thread stores meanwhile may be lost: a
-miss, not an error). Host work only.
+Safe when several threads launch (each its own model and scaler): a kind's list is changed
+by whole-list assignments from a copy (an entry another thread stores meanwhile may be lost:
+a miss, not an error). Host work only.
 """
 
 from __future__ import annotations
@@ -35,51 +36,58 @@ except ImportError:  # pragma: no cover - a torch built without dynamo: Python p
 if TYPE_CHECKING:
     from ._kernel_args import UnscalePlan
 
-#: Entries kept: a training loop needs two or three per grad list (its launches, a chunk
-#: table, the sizes'); an allocator cycling its blocks, a few grad lists.
-CAPACITY = 64
+#: Entries kept of each kind: a training loop needs one of each per grad list (the size
+#: pattern shared by lists of the same sizes), an allocator cycling its blocks a few.
+CAPACITY = 16
 
-_entries: list[tuple[tuple, Any]] = []
+#: Each kind's entries ``(key, value)``, oldest first.
+_entries: dict[str, list[tuple[tuple, Any]]] = {}
 
 _NUMEL = torch.Tensor.numel
 _DTYPE = operator.attrgetter("dtype")
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
-_DEVICE_INDEX = torch.Tensor.get_device
 
 
 def lookup(key: tuple) -> Any:
-    """The value stored under ``key`` (compared with ``==``), made the newest entry; None
-    when there is none."""
-    snapshot = _entries[:]
+    """The value stored under ``key`` (compared with ``==``), made the newest entry of its
+    kind; None when there is none."""
+    entries = _entries.get(key[0])
+    if not entries:
+        return None
+    snapshot = entries[:]
     for entry in reversed(snapshot):
         if entry[0] == key:
             if entry is not snapshot[-1]:
-                _entries[:] = [e for e in snapshot if e is not entry] + [entry]
+                entries[:] = [e for e in snapshot if e is not entry] + [entry]
             return entry[1]
     return None
 
 
 def keep(key: tuple, value: Any) -> Any:
-    """Store ``value`` under ``key`` as the newest entry (replacing one of an equal key),
-    dropping the oldest beyond :data:`CAPACITY`; returns ``value``."""
-    kept = [entry for entry in _entries[:] if not entry[0] == key]
+    """Store ``value`` under ``key`` as the newest entry of its kind (replacing one of an
+    equal key), dropping that kind's oldest beyond :data:`CAPACITY`; returns ``value``."""
+    entries = _entries.setdefault(key[0], [])
+    kept = [entry for entry in entries[:] if not entry[0] == key]
     kept.append((key, value))
     del kept[:max(0, len(kept) - CAPACITY)]
-    _entries[:] = kept
+    entries[:] = kept
     return value
 
 
 def drop(key: tuple) -> None:
     """Forget the entry stored under ``key``, if any."""
-    snapshot = _entries[:]
+    entries = _entries.get(key[0])
+    if not entries:
+        return
+    snapshot = entries[:]
     kept = [entry for entry in snapshot if not entry[0] == key]
     if len(kept) != len(snapshot):
-        _entries[:] = kept
+        entries[:] = kept
 
 
 def count(kind: str) -> int:
     """Entries of one kind (the first item of their keys) in the store."""
-    return sum(1 for key, _ in _entries[:] if key[0] == kind)
+    return len(_entries.get(kind, ()))
 
 
 def clear() -> None:
@@ -92,13 +100,12 @@ class StoredLaunches:
     template)``, one per group, in order) and what tells that new grads at the same addresses
     are laid out as the grads they were made for. Holds no grad."""
 
-    __slots__ = ("launches", "numels", "dtypes", "devices", "guard", "python_check")
+    __slots__ = ("launches", "numels", "dtypes", "guard", "python_check")
 
-    def __init__(self, launches: list[tuple[int, UnscalePlan]], grads: list[torch.Tensor],
-                 guard: TensorGuards | None = None, *, python_check: bool = True) -> None:
-        self.launches = launches
-        self.numels, self.dtypes = tuple(map(_NUMEL, grads)), tuple(map(_DTYPE, grads))
-        self.devices = tuple(map(_DEVICE_INDEX, grads))
+    def __init__(self, launches: list[tuple[int, UnscalePlan]], numels: tuple[int, ...],
+                 dtypes: tuple[torch.dtype, ...], guard: TensorGuards | None = None, *,
+                 python_check: bool = True) -> None:
+        self.launches, self.numels, self.dtypes = launches, numels, dtypes
         # a TensorGuards over grads the plans fit: those they were made for, or (built
         # lazily) those of their first reuse
         self.guard = guard
@@ -109,15 +116,15 @@ class StoredLaunches:
         """``grads``, at the addresses the launches were planned for, are laid out as the grads
         they were planned for. One C++ call (``TensorGuards``: type, dtype, device, shape and
         strides of each grad) when there is a guard. Without one, with ``python_check``,
-        passes reading sizes, dtypes, contiguity and device indices, which only contiguous
-        grads on the same devices pass, and the guard built from those grads; else False."""
+        passes reading sizes, dtypes and contiguity, which only contiguous grads pass (each
+        launch's caller checks its base grad's device), and the guard built from those
+        grads; else False."""
         if self.guard is not None:
             return self.guard.check(*grads)
         if not self.python_check:
             return False
         if tuple(map(_NUMEL, grads)) != self.numels or tuple(map(_DTYPE, grads)) != \
-                self.dtypes or not all(map(_IS_CONTIGUOUS, grads)) or \
-                tuple(map(_DEVICE_INDEX, grads)) != self.devices:
+                self.dtypes or not all(map(_IS_CONTIGUOUS, grads)):
             return False
         self.guard = tensor_guards(grads)
         return True
