@@ -22,7 +22,7 @@ from _host_stubs import noop_launches
 #: tensors over the same memory each call (a loop that rebuilds ``[p.grad for p in ...]``
 #: after ``zero_grad()`` + backward on a GPU, whose allocator hands the same blocks back);
 #: ``cycle12``: 12 grad sets in turn (each call's plans kept from its set's last call, twelve
-#: calls before)
+#: calls before, as planning's store keeps 16 grad lists)
 CASES = ("same_list", "new_tensors", "cycle12")
 
 
@@ -66,20 +66,22 @@ def plans_kept(kept: bool) -> Iterator[None]:
         _plan_store.clear()
 
 
-def measure(n: int, case: str, calls: int = 60) -> dict[str, float]:
-    """Median seconds per call, plans kept and not, over the last ``calls - 24`` of
-    ``calls`` calls each (the first ones make the plans); the two alternate in blocks."""
+def measure(n: int, case: str, timed: int = 18) -> dict[str, float]:
+    """Median seconds per call, plans kept and not, over ``timed`` calls after two rounds of
+    the case's grad sets (the first call at a set's addresses plans it, the second builds
+    its guard); the two alternate in blocks, twice."""
+    warmup = 2 * (12 if case == "cycle12" else 6)
     times: dict[str, list[float]] = {"kept": [], "not_kept": []}
     with noop_launches():
         for _ in range(2):
             for name in times:
                 with plans_kept(name == "kept"):
                     prepare, call = make_call(n, case)
-                    for i in range(calls // 2):
+                    for i in range(warmup + timed // 2):
                         prepare()
                         start = time.perf_counter()
                         call()
-                        if i >= 12:
+                        if i >= warmup:
                             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
