@@ -100,31 +100,30 @@ class StoredLaunches:
     template)``, one per group, in order) and what tells that new grads at the same addresses
     are laid out as the grads they were made for. Holds no grad."""
 
-    __slots__ = ("launches", "numels", "dtypes", "guard", "python_check")
+    __slots__ = ("launches", "numels", "dtypes", "guard")
 
-    def __init__(self, launches: list[tuple[int, UnscalePlan]], numels: tuple[int, ...],
-                 dtypes: tuple[torch.dtype, ...], guard: TensorGuards | None = None, *,
-                 python_check: bool = True) -> None:
-        self.launches, self.numels, self.dtypes = launches, numels, dtypes
+    def __init__(self, launches: list[tuple[int, UnscalePlan]],
+                 numels: tuple[int, ...] | None, dtypes: tuple[torch.dtype, ...] | None,
+                 guard: TensorGuards | None = None) -> None:
+        self.launches = launches
+        # the grads' sizes and dtypes, for a reuse checked by Python passes; None: reused
+        # only through a guard
+        self.numels, self.dtypes = numels, dtypes
         # a TensorGuards over grads the plans fit: those they were made for, or (built
         # lazily) those of their first reuse
         self.guard = guard
-        # reuse checked by Python passes where there is no guard (else: not reused)
-        self.python_check = python_check
 
     def fit(self, grads: list[torch.Tensor]) -> bool:
         """``grads``, at the addresses the launches were planned for, are laid out as the grads
         they were planned for. One C++ call (``TensorGuards``: type, dtype, device, shape and
-        strides of each grad) when there is a guard. Without one, with ``python_check``,
-        passes reading sizes, dtypes and contiguity, which only contiguous grads pass (each
-        launch's caller checks its base grad's device), and the guard built from those
+        strides of each grad) when there is a guard. Without one, where sizes and dtypes are
+        kept, passes reading sizes, dtypes and contiguity, which only contiguous grads pass
+        (each launch's caller checks its base grad's device), and the guard built from those
         grads; else False."""
         if self.guard is not None:
             return self.guard.check(*grads)
-        if not self.python_check:
-            return False
-        if tuple(map(_NUMEL, grads)) != self.numels or tuple(map(_DTYPE, grads)) != \
-                self.dtypes or not all(map(_IS_CONTIGUOUS, grads)):
+        if self.numels is None or tuple(map(_NUMEL, grads)) != self.numels or \
+                tuple(map(_DTYPE, grads)) != self.dtypes or not all(map(_IS_CONTIGUOUS, grads)):
             return False
         self.guard = tensor_guards(grads)
         return True

@@ -146,7 +146,7 @@ def ops_plans(grads: list[torch.Tensor], device: torch.device, write: bool,
         if stored is None or guard is not None:
             launches = [(_index_in(grads, members, plan.base_index), plan.template())
                         for members, plan in plans if plan.grid]
-            _plan_store.keep(key, StoredLaunches(launches, (), (), guard, python_check=False))
+            _plan_store.keep(key, StoredLaunches(launches, None, None, guard))
             return [plan for _, plan in plans]
     if key is not None:
         _plan_store.drop(key)
