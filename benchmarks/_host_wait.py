@@ -88,13 +88,13 @@ READS = [(torch.Tensor, "tolist"), (torch.Tensor, "item"), (torch.cuda.Event, "s
 def _phases() -> list[tuple[str, list[tuple[object, str]]]]:
     """The four calls, then what runs inside ours: grouping the grads and the launches of
     ``unscale_``; and the host read."""
-    from triton_scaler import GradScaler, grad_scaler, ops
+    from triton_scaler import GradScaler, grad_scaler
 
     scalers = (GradScaler, torch.amp.GradScaler)
     return [(name, [(cls, name) for cls in scalers if name in vars(cls)])
             for name in ("scale", "unscale_", "step", "update")] + [
-        ("grad groups", [(grad_scaler, "grad_groups")]),
-        ("unscale launches", [(ops, "unscale_group_")]),
+        ("grad groups", [(grad_scaler, "collect_grads")]),
+        ("unscale launches", [(grad_scaler, "unscale_group")]),
         ("host read", READS)]
 
 

@@ -10,7 +10,7 @@ import torch
 from _util import assert_all_same, assert_same, graphs_compiled
 
 from triton_scaler import ops
-from triton_scaler._library import ops_namespace
+from triton_scaler._dispatch import ops_namespace
 
 COMPILE_BACKENDS = ["aot_eager", "inductor"]
 SIZES = [0, 1, 33, 4097]

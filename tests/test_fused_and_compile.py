@@ -280,8 +280,9 @@ def test_scheduler_state_dict_counts_pending_steps_and_loads_into_a_new_wrapper(
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_dynamo_traces_a_step_with_few_graph_breaks(fused):
-    """step / unscale_ / update run eagerly under compile (dynamo skips torch.amp's scaler the
-    same way); the frame around them is traced, with at most one break per scaler region."""
+    """Under compile the scaler's calls are traced; the graph breaks are the backward, the
+    plain route's one host read (an eager frame and the call it makes) and the optimizer's own
+    step: at most four."""
     torch._dynamo.reset()
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.AdamW(model.parameters(), fused=fused)
@@ -295,4 +296,4 @@ def test_dynamo_traces_a_step_with_few_graph_breaks(fused):
         opt.zero_grad()
 
     explanation = torch._dynamo.explain(train_step)(torch.randn(3, 8))
-    assert explanation.graph_break_count <= 3
+    assert explanation.graph_break_count <= 4

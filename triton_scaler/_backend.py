@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import re
 from types import ModuleType
@@ -22,10 +21,16 @@ def check_backend(backend: object) -> None:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}")
 
 
-@functools.cache
+_triton_found: bool | None = None
+
+
 def triton_available() -> bool:
-    """Whether the ``triton`` package can be imported (checked once, without importing it)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether the ``triton`` package can be imported (checked once, without importing it;
+    a module global, not ``functools.cache``, which traced code would not honour)."""
+    global _triton_found
+    if _triton_found is None:
+        _triton_found = importlib.util.find_spec("triton") is not None
+    return _triton_found
 
 
 _kernels: ModuleType | None = None

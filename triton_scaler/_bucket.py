@@ -13,10 +13,12 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._bucket_repair import BucketRepairMixin
-from ._eager import eager_under_compile
+from ._compile import never_traced
 from ._warn import warn_at_caller
 
 _ALIGN_BYTES = 16
+#: The attribute of an optimizer listing the GradBuckets built over it.
+_REGISTRY_ATTR = "_triton_scaler_buckets"
 # Parameters held by live buckets. Kept off the parameters themselves, so a pickled or copied
 # model (torch.save, deepcopy) carries no trace of buckets it no longer has.
 _bucketed: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -47,7 +49,7 @@ def _storage_refs(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(storage._cdata)
 
 
-@eager_under_compile  # (compiled code calling scale(): run eagerly, as the scaler's own work)
+@never_traced  # host bookkeeping: traced code calls the registered op (module _dispatch)
 def before_backward() -> None:
     """A backward is about to start (:meth:`GradScaler.scale` calls this): each live bucket
     forgets the writes since its last check that no accumulation balanced (grads zeroed in
@@ -293,3 +295,36 @@ class GradBucket(BucketRepairMixin):
         for hook in self._hooks:
             hook.remove()
         _live_buckets.discard(self)
+
+
+def param_lists(param_groups: list[dict]) -> tuple[tuple[list, ...], tuple[int, ...]]:
+    """The groups' parameter lists themselves and their lengths: what
+    :func:`same_param_lists` compares. Holding the lists (not their ids) keeps a replaced
+    list from being freed and its id reused by a newer one."""
+    return tuple(g["params"] for g in param_groups), tuple(len(g["params"]) for g in param_groups)
+
+
+def same_param_lists(known: tuple | None, param_groups: list[dict]) -> bool:
+    """The groups hold the same list objects as ``known`` (from :func:`param_lists`), of the
+    same lengths: O(number of groups)."""
+    if known is None or len(known[0]) != len(param_groups):
+        return False
+    for group, params, n in zip(param_groups, known[0], known[1]):
+        if group["params"] is not params or len(params) != n:
+            return False
+    return True
+
+
+def buckets_of(optimizer: torch.optim.Optimizer) -> list[GradBucket]:
+    """The buckets registered on ``optimizer`` (empty when it has none)."""
+    return getattr(optimizer, _REGISTRY_ATTR, [])
+
+
+@never_traced  # host bookkeeping, never in a graph
+def attach_bucket_grads(optimizer: torch.optim.Optimizer) -> None:
+    """:meth:`GradBucket.attach_grads` for every bucket of ``optimizer``: before a step whose
+    grads ``unscale_`` already covered, so that a parameter that received no gradient since
+    (``buckets.zero_()`` in between) has ``grad = None``, as in torch. O(1) per bucket when
+    every grad is its view and received a gradient."""
+    for bucket in buckets_of(optimizer):
+        bucket.attach_grads()

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, cast
 from weakref import WeakKeyDictionary
 
 import torch
-from torch.amp.grad_scaler import _MultiDeviceReplicator
 
 from . import _plan_store, _plans
 from ._backend import resolve_backend
+from ._bucket import buckets_of, param_lists, same_param_lists
+from ._compile import is_traced
 from ._distributed import add_groups, local_grad
 from ._op_args import FLOAT_DTYPES, check_grad_dtype
 from ._plan_store import StoredLaunches, tensor_guards
-from .buckets import buckets_of, param_lists, same_param_lists
 
 if TYPE_CHECKING:
     from ._kernel_args import UnscalePlan
@@ -43,14 +43,25 @@ _DEVICE_INDEX = torch.Tensor.get_device
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
 
-class PerDevice(_MultiDeviceReplicator):
-    """torch's per-device replicas of a 0-d tensor, without the copy on its own device: the
-    scaler's found_inf flag is written in place, and the scale read in place (no launch)."""
+class PerDevice:
+    """torch's ``_MultiDeviceReplicator`` (a 0-d tensor's copy per device, made once), code
+    that dynamo traces: the tensor itself on its own device (the scaler's found_inf flag is
+    written in place, the scale read in place), unless ``copies`` (torch's
+    ``_unscale_grads_`` returns copies of found_inf on every device)."""
+
+    def __init__(self, master: torch.Tensor, copies: bool = False) -> None:
+        self.master = master
+        self.copies = copies
+        self.per_device: dict[torch.device, torch.Tensor] = {}
 
     def get(self, device: torch.device) -> torch.Tensor:
-        if device == self.master.device:
-            return self._per_device_tensors.setdefault(device, self.master)
-        return super().get(device)
+        value = self.per_device.get(device)
+        if value is None:
+            master = self.master
+            value = master if device == master.device and not self.copies else \
+                master.to(device=device, non_blocking=True, copy=True)
+            self.per_device[device] = value
+        return value
 
 
 class GradGroup:
@@ -154,6 +165,43 @@ def _layout_of(optimizer: torch.optim.Optimizer) -> _Layout:
             layout.n_buckets != len(buckets_of(optimizer)) or not layout.is_current(optimizer):
         layout = _layouts[optimizer] = _Layout(optimizer, param_lists(groups))
     return layout
+
+
+def collect_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str,
+                  write: bool) -> tuple[list[GradGroup], dict[torch.device, list]]:
+    """The collect seam of the scaler's calls: the optimizer's grads as :class:`GradGroup`
+    (one launch each) and, by device, the process groups their DTensor grads are sharded over.
+
+    Eager code (:func:`grad_groups`): each gradient bucket's buffer as one group (the buckets'
+    records give ``grad = None`` where no gradient came), the other grads by (device, dtype)
+    with the launch plans kept for their addresses; before a write over several groups, every
+    refusal (grads sharing memory) is raised before anything is written. Traced code
+    (:func:`traced_groups`): a plain loop over the grads, grouped by (device, dtype)."""
+    if is_traced():
+        return traced_groups(optimizer, allow_fp16), {}
+    groups, mesh_groups = grad_groups(optimizer, allow_fp16, backend)
+    if write and groups:
+        _plans.refuse_group_writes(groups, backend)
+    return groups, mesh_groups
+
+
+def traced_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> list[GradGroup]:
+    """The optimizer's grads by (device, dtype), in order of first appearance, as torch
+    groups them: a plain loop over ``param.grad`` (a bucket's grads are its views), what
+    code that dynamo traces may run (no addresses, no host records)."""
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if not allow_fp16 and grad.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            key = (grad.device, grad.dtype)
+            if key not in by_key:
+                by_key[key] = []
+            by_key[key].append(grad)
+    return [GradGroup(device, grads) for (device, _), grads in by_key.items()]
 
 
 def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str

@@ -10,7 +10,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from ._backend import Backend
-from ._eager import eager_under_compile
+from ._compile import is_traced
 from ._warn import warn_at_caller
 from .policy import FP32_TINY, INT32_MAX, INT32_MIN, ScalePolicy, as_int, check_scale_value
 
@@ -63,7 +63,7 @@ class ScalerStateMixin(torch.amp.GradScaler):
 
     def _init_extension_state(self) -> None:
         self._per_optimizer_states = defaultdict(fresh_optimizer_state)
-        #: what the traced scale() hands the registered before_backward_ op (module _library)
+        #: what the traced scale() hands the registered before_backward_ op (module _dispatch)
         self._backward_token = torch.empty(0)
         self._init_hysteresis_tracker = self._policy.hysteresis
         self._init_skipped_steps = 0
@@ -80,18 +80,22 @@ class ScalerStateMixin(torch.amp.GradScaler):
         #: update()'s bound device work: (what it uses, the call); see GradScaler._bound_update
         self._update_bound: tuple | None = None
 
-    @eager_under_compile  # its device tensors and views made eagerly, never traced
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
-        super()._lazy_init_scale_growth_tracker(dev)
-        self._init_device_state(dev, self._policy.kernel_params(dev).clone())
+        """torch's private (Accelerate calls it): ``_scale`` and ``_growth_tracker`` on
+        ``dev``, as torch makes them, and the scaler's own device state beside them."""
+        if self._growth_tracker is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32,
+                                          device=dev)
+        self._init_device_state(dev)
 
-    def _init_device_state(self, dev: torch.device, params: torch.Tensor,
-                           buffered: bool = True) -> None:
-        """The device state beside torch's ``_scale`` and ``_growth_tracker`` (made just
-        before); ``params``: the policy's float64 settings on ``dev``, the scaler's own copy.
-        ``buffered=False`` (code traced by torch.compile makes the state): no views kept, as
-        a compiled graph's outputs may not keep them (inductor in older torch); the flags are
-        then a tensor of their own and step()'s host read stacks the scale and a flag."""
+    def _init_device_state(self, dev: torch.device) -> None:
+        """The device state beside ``_scale`` and ``_growth_tracker`` (made just before).
+        Made in code that torch.compile traces, no views are kept, as a compiled graph's
+        outputs may not keep them (inductor in older torch): the flags are then a tensor of
+        their own and step()'s host read stacks the scale and a flag."""
+        buffered = not is_traced()
         self._slots_taken = 0
         if buffered:
             # One buffer: [scale, found_inf flag per optimizer ...]. update() reads and zeroes
@@ -117,7 +121,19 @@ class ScalerStateMixin(torch.amp.GradScaler):
         # cannot view a bool as uint8)
         self._last_step_skipped_bytes = self._last_step_skipped.view(torch.uint8) \
             if buffered else None
-        self._params_t = params
+        self._params_t = torch.tensor(self._policy.kernel_values(), dtype=torch.float64,
+                                      device=dev)
+
+    def _check_state(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch's ``_check_scale_growth_tracker`` (which traced code cannot call: dynamo
+        skips torch.amp): the scale and growth tracker, or torch's error."""
+        fix = ("This may indicate your script did not use scaler.scale(loss or outputs) "
+               "earlier in the iteration.")
+        if self._scale is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker is None:
+            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return self._scale, self._growth_tracker
 
     def _set_policy(self, policy: ScalePolicy) -> None:
         """Swap in a validated policy; the kernel's parameter buffer is updated in place, so a
@@ -156,9 +172,7 @@ class ScalerStateMixin(torch.amp.GradScaler):
         slots = self._found_slots
         if not slots:
             assert self._flags is not None  # made with the scale
-            if torch.compiler.is_dynamo_compiling():
-                return self._flags[index]
-            self._found_slots = slots = list(self._flags.unbind())
+            return self._flags[index]
         return slots[index]
 
     @staticmethod

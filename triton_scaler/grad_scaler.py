@@ -1,6 +1,14 @@
 """``triton_scaler.GradScaler``: a drop-in ``torch.amp.GradScaler`` whose device work runs in
 fused Triton kernels (or the bit-exact PyTorch reference path), with the extensions of
-Megatron-core, DeepSpeed, apex and MindSpore scalers."""
+Megatron-core, DeepSpeed, apex and MindSpore scalers.
+
+Each call is written once and runs the same eagerly and under ``torch.compile``: collecting
+the grads (:func:`._grads.collect_grads`) and dispatching device work (:mod:`._dispatch`)
+are the seams where the two differ; host work that traced code must not contain (an
+optimizer's own step with attributes set on it, the plain route's host read, the gradient
+buckets' records) runs in eager frames (:mod:`._compile`). What cannot be traced runs
+eagerly, a graph break (:func:`_can_trace`).
+"""
 
 from __future__ import annotations
 
@@ -10,22 +18,124 @@ from collections.abc import Callable, Iterable
 from typing import Any, overload
 
 import torch
-from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
+from torch.amp.grad_scaler import OptState
 
-from . import _traced, ops, reference
+from . import reference
 from ._arguments import check_device, check_outputs, check_process_group
-from ._backend import Backend, check_backend
-from ._bucket import before_backward
-from ._clip import ClipMixin
+from ._backend import Backend, check_backend, resolve_backend
+from ._bucket import attach_bucket_grads, buckets_of
+from ._clip import check_clip_arguments, clip_unscaled, fused_clip, raise_nonfinite
+from ._compile import eager_frame, never_traced, traced_when
+from ._dispatch import bind_scaler_update, note_backward, scaler_update, unscale_group
 from ._distributed import agree_over_meshes
-from ._eager import eager_under_compile, run_eagerly
-from ._grads import PerDevice, grad_groups
-from ._plans import refuse_group_writes
+from ._grads import PerDevice, collect_grads
+from ._state import FOUND_INF_SLOTS, ScalerStateMixin
 from ._step import step_takes_grad_scaler
-from ._traced import traced_under_compile
 from ._warn import warn_at_caller
-from .buckets import attach_bucket_grads
 from .policy import ScalePolicy, check_scale_value
+
+
+def _can_trace(scaler: GradScaler, name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether the call ``scaler.<name>(*args, **kwargs)`` from code that dynamo traces is
+    traced; otherwise it runs eagerly (a graph break). Not traced: a scaler with a
+    ``process_group`` (:class:`ShardedGradScaler` always has one), ``raise_at_min_scale=True``
+    or a subclass's own ``_unscale_grads_``; grads that are tensor subclasses (DTensor) or
+    sparse; ``scale`` of anything but tensors in (nested) lists and tuples;
+    ``clip_grad_norm_`` of a disabled scaler, with ``error_if_nonfinite=True``,
+    ``sharded=True``, a ``norm_type`` other than 2 and inf, or over GradBuckets on the Triton
+    backend (the eager clip reads a bucket's buffer in one launch, whose norm partials a
+    traced loop over the grads would not reproduce bit for bit)."""
+    if not scaler._traceable or scaler._process_group is not None or \
+            scaler._policy.raise_at_min_scale or scaler._overrides_unscale_grads():
+        return False
+    if name == "update":
+        return True
+    if name == "scale":
+        return _lists_of_tensors(args[0] if args else kwargs.get("outputs"))
+    optimizer = args[0] if args else kwargs.get("optimizer")
+    if not isinstance(optimizer, torch.optim.Optimizer) or not _plain_grads(optimizer):
+        return False
+    if name == "clip_grad_norm_":
+        norm_type = args[2] if len(args) > 2 else kwargs.get("norm_type", 2.0)
+        if not scaler._enabled or len(args) > 3 or kwargs.get("error_if_nonfinite") or \
+                kwargs.get("sharded") or type(norm_type) not in (int, float) or \
+                norm_type not in (2.0, math.inf):
+            return False
+        for bucket in buckets_of(optimizer):
+            if resolve_backend(scaler._backend, bucket.device) == "triton":
+                return False
+    return True
+
+
+def _lists_of_tensors(outputs: Any) -> bool:
+    if isinstance(outputs, torch.Tensor):
+        return True
+    if not isinstance(outputs, (list, tuple)):
+        return False
+    for item in outputs:  # a loop: older dynamo versions cannot inline all(...) here
+        if not _lists_of_tensors(item):
+            return False
+    return True
+
+
+def _plain_grads(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every grad of ``optimizer`` is a dense, plain tensor."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            grad = p.grad
+            if grad is not None and (type(grad) is not torch.Tensor or grad.is_sparse):
+                return False
+    return True
+
+
+def _has_grads(optimizer: torch.optim.Optimizer) -> bool:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                return True
+    return False
+
+
+@eager_frame
+def _fused_optimizer_step(optimizer: torch.optim.Optimizer, scale: torch.Tensor | None,
+                          found_inf: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    """A fused optimizer's step with ``grad_scale`` / ``found_inf`` set on it, as torch's
+    scaler does (``scale`` None: the grads were unscaled, the optimizer's own ``grad_scale``
+    is kept; else the product with it). An eager frame: attributes set on the optimizer in
+    traced code would not reach a step that dynamo does not trace."""
+    attach_bucket_grads(optimizer)  # GradBuckets: grad None where no gradient came, as torch
+    own = getattr(optimizer, "grad_scale", None)
+    optimizer.grad_scale = own if scale is None else scale if own is None else scale * own
+    optimizer.found_inf = found_inf
+    retval = optimizer.step(*args, **kwargs)
+    del optimizer.grad_scale
+    del optimizer.found_inf
+    return retval
+
+
+@eager_frame
+def _legacy_fused_step(scaler: GradScaler, optimizer: torch.optim.Optimizer, args: tuple,
+                       kwargs: dict) -> Any:
+    """torch's older fused contract: the optimizer takes the scaler (``grad_scaler=``), with
+    torch's FutureWarning."""
+    _warn_legacy_fused_step()
+    attach_bucket_grads(optimizer)
+    return optimizer.step(*args, **kwargs, grad_scaler=scaler)
+
+
+@never_traced
+def _warn_legacy_fused_step() -> None:
+    warn_at_caller(
+        "GradScaler is going to stop passing itself as a keyword argument to the passed "
+        "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+        "`found_inf: Tensor` to the passed optimizer and let the optimizer use them "
+        "directly.", FutureWarning)
+
+
+@eager_frame
+def _disabled_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+    attach_bucket_grads(optimizer)  # GradBuckets: a parameter with no gradient has grad None
+    return optimizer.step(*args, **kwargs)
 
 
 class MinScaleReachedError(RuntimeError):
@@ -33,7 +143,7 @@ class MinScaleReachedError(RuntimeError):
     ``raise_at_min_scale=True`` (DeepSpeed's ``raise_error_at_min_scale``)."""
 
 
-class GradScaler(ClipMixin):
+class GradScaler(ScalerStateMixin):
     """Drop-in replacement for :class:`torch.amp.GradScaler`.
 
     The positional arguments and defaults are torch's; with them the scale trajectory, growth
@@ -65,7 +175,7 @@ class GradScaler(ClipMixin):
     #: :meth:`unscale_` (and :meth:`clip_grad_norm_`) accept float16 grads: False, as torch's
     #: GradScaler ("Attempting to unscale FP16 gradients."); :class:`ShardedGradScaler`: True.
     _unscales_fp16: bool = False
-    #: whether calls from code that torch.compile traces may be traced (module ``_traced``)
+    #: whether calls from code that torch.compile traces may be traced (:func:`_can_trace`)
     _traceable: bool = True
 
     def __init__(
@@ -114,6 +224,7 @@ class GradScaler(ClipMixin):
     @overload
     def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
 
+    @traced_when(_can_trace)
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]
               ) -> torch.Tensor | Iterable[torch.Tensor]:
         """Multiply outputs (usually the loss) by the scale, as torch's ``scale``.
@@ -134,23 +245,29 @@ class GradScaler(ClipMixin):
 
         .. note:: Does not synchronise with the host.
         """
-        if torch.compiler.is_dynamo_compiling():  # inline, not a decorator: a frame less
-            return self._scale_under_compile(outputs)
         if not self._enabled:
-            return super().scale(outputs)
-        before_backward()
-        if isinstance(outputs, torch.Tensor):
-            return super().scale(outputs)
-        return super().scale(check_outputs(outputs))
+            return outputs
+        note_backward(self._backward_token)
+        if isinstance(outputs, torch.Tensor):  # torch's arithmetic
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(outputs.device)
+            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
+        return self._scaled(check_outputs(outputs), [])
 
-    def _scale_under_compile(self, outputs: Any) -> Any:
-        """:meth:`scale` from code that torch.compile traces: traced where it can be."""
-        if _traced._supported("scale", self, (outputs,), {}):
-            return _traced.scale(self, outputs)
-        return run_eagerly(GradScaler.scale, self, outputs)
+    def _scaled(self, value: Any, per_device: list[PerDevice]) -> Any:
+        """torch's ``apply_scale``: tensors times the scale (copied once per device), lists
+        and tuples rebuilt, other iterables mapped lazily."""
+        if isinstance(value, torch.Tensor):
+            if not per_device:
+                if self._scale is None:
+                    self._lazy_init_scale_growth_tracker(value.device)
+                per_device.append(PerDevice(self._scale))
+            return value * per_device[0].get(value.device)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._scaled(item, per_device) for item in value)
+        return map(lambda item: self._scaled(item, per_device), value)
 
     # ------------------------------------------------------------------ device work
-    @eager_under_compile  # as torch's (dynamo skips torch.amp)
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                         found_inf: torch.Tensor, allow_fp16: bool
                         ) -> dict[torch.device, torch.Tensor]:
@@ -171,33 +288,30 @@ class GradScaler(ClipMixin):
         the scale. Returns found_inf per device: ``found_inf`` itself on its device, or
         (``copy_found_inf``) copies of it, as torch's ``_MultiDeviceReplicator``."""
         from_scale = inv_scale is None
-        per_device_inv_scale = PerDevice(self._scale if from_scale else inv_scale)
-        per_device_found_inf = (_MultiDeviceReplicator if copy_found_inf else PerDevice)(found_inf)
+        inv_for = PerDevice(self._scale if from_scale else inv_scale)
+        found_for = PerDevice(found_inf, copies=copy_found_inf)
         # torch.no_grad() as torch's _unscale_grads_, through the C call that torch's
         # set_grad_enabled makes: the context manager's Python machinery costs ~20 us a step
         # with cold caches, set_grad_enabled's own object a few
         grad_mode = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            groups, mesh_groups = grad_groups(optimizer, allow_fp16, self._backend)
-            if write and len(groups) > 1:
-                refuse_group_writes(groups, self._backend)
+            groups, mesh_groups = collect_grads(optimizer, allow_fp16, self._backend, write)
             for group in groups:
                 device = group.device
-                ops.unscale_group_(group.grads, per_device_found_inf.get(device),
-                                   per_device_inv_scale.get(device), self._backend, write,
-                                   from_scale=from_scale, group=group)
+                unscale_group(group, found_for.get(device), inv_for.get(device), self._backend,
+                              write, from_scale=from_scale)
             if write:
                 self._note_written_padding(optimizer, groups)
             if mesh_groups:
-                agree_over_meshes(per_device_found_inf._per_device_tensors, mesh_groups)
+                agree_over_meshes(found_for.per_device, mesh_groups)
         finally:
             torch._C._set_grad_enabled(grad_mode)
         if not groups and self._process_group is not None:
-            per_device_found_inf.get(found_inf.device)  # no grads here: join the agreement, 0
-        return per_device_found_inf._per_device_tensors
+            found_for.get(found_inf.device)  # no grads here: join the agreement, 0
+        return found_for.per_device
 
-    @traced_under_compile(_traced.unscale_)
+    @traced_when(_can_trace)
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the optimizer's grads in place and record whether any is non-finite.
 
@@ -215,7 +329,8 @@ class GradScaler(ClipMixin):
         .. note:: Does not synchronise with the host.
         """
         if not self._enabled:
-            attach_bucket_grads(optimizer)
+            if buckets_of(optimizer):
+                attach_bucket_grads(optimizer)
             return
         state = self._ready_to_unscale(optimizer, "unscale_")
         found_inf = self._found_inf_flag(state)
@@ -232,9 +347,8 @@ class GradScaler(ClipMixin):
 
     def _ready_to_unscale(self, optimizer: torch.optim.Optimizer, funcname: str) -> dict:
         """The optimizer's per-iteration state; raises torch's errors when its grads were
-        already unscaled or stepped in this iteration. Traceable by dynamo (no torch.amp
-        method: ``_traced.check_state`` is torch's ``_check_scale_growth_tracker``)."""
-        _traced.check_state(self, funcname)
+        already unscaled or stepped in this iteration."""
+        self._check_state(funcname)
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError(
@@ -243,10 +357,10 @@ class GradScaler(ClipMixin):
             raise RuntimeError("unscale_() is being called after step().")
         return state
 
-    @traced_under_compile(_traced.check_inf_per_device)
+    @traced_when(_can_trace)
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
         """Read-only inf/NaN check of the optimizer's grads (the fused-optimizer route)."""
-        self._check_scale_growth_tracker("_check_inf_per_device")
+        self._check_state("_check_inf_per_device")
         state = self._per_optimizer_states[id(optimizer)]
         found_inf = self._found_inf_flag(state)
         if self._overrides_unscale_grads():  # as torch: an unscale by 1.0 through the override
@@ -261,7 +375,7 @@ class GradScaler(ClipMixin):
         state.pop("found_inf_agreed", None)
         return state["found_inf_per_device"]
 
-    @traced_under_compile(_traced.step)
+    @traced_when(_can_trace)
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
         """Unscale (unless :meth:`unscale_` ran) and step the optimizer unless a grad overflowed.
 
@@ -285,26 +399,45 @@ class GradScaler(ClipMixin):
         .. note:: Plain optimizers: one host sync (the flag read torch also makes). Fused
             optimizers: none.
         """
-        if not self._enabled:  # GradBuckets: a parameter with no gradient has grad None
-            attach_bucket_grads(optimizer)
-            return optimizer.step(*args, **kwargs)
+        if not self._enabled:
+            return _disabled_step(optimizer, args, kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        self._check_scale_growth_tracker("step")
+        self._check_state("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if state["stage"] is OptState.UNSCALED:
-            attach_bucket_grads(optimizer)
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            return self._fused_step(optimizer, state, *args, **kwargs)
-        if state["stage"] is OptState.READY:
-            self.unscale_(optimizer)
-        if len(state["found_inf_per_device"]) == 0:
-            raise AssertionError("No inf checks were recorded for this optimizer.")
-        retval = self._maybe_opt_step(optimizer, state, *args, **kwargs)
+            retval = self._fused_step(optimizer, state, args, kwargs)
+        else:
+            if state["stage"] is OptState.READY:
+                self.unscale_(optimizer)
+            if len(state["found_inf_per_device"]) == 0:
+                raise AssertionError("No inf checks were recorded for this optimizer.")
+            retval = self._maybe_opt_step(optimizer, state, *args, **kwargs)
         state["stage"] = OptState.STEPPED
         return retval
+
+    def _fused_step(self, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                    args: tuple, kwargs: dict) -> Any:
+        """The fused-optimizer route: a read-only check (unless ``unscale_`` ran), then the
+        optimizer's own step with ``grad_scale`` / ``found_inf`` (exactly 0.0 or 1.0)."""
+        if step_takes_grad_scaler(optimizer):
+            return _legacy_fused_step(self, optimizer, args, kwargs)
+        if state["stage"] is OptState.READY:
+            self._check_inf_per_device(optimizer)
+        elif not state["found_inf_per_device"] and _has_grads(optimizer):
+            # unscale_() saw no grads, backward made some since: torch hands the optimizer
+            # found_inf=0 (an int) and no grad_scale, and torch's fused optimizers fail
+            # ("'int' object has no attribute 'device'"); the plain route's error instead
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        if state["found_inf_per_device"] and self._policy.skip_on_overflow:
+            found_inf = self._agree_found_inf(state)
+        else:  # no grads (torch hands the optimizer 0), or steps are never skipped
+            found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        unscaled = state["stage"] is OptState.UNSCALED
+        return _fused_optimizer_step(optimizer, None if unscaled else self._scale, found_inf,
+                                     args, kwargs)
 
     def _agree_found_inf(self, state: dict[str, Any]):
         """0-d float32 found_inf on the scale's device, exactly 0.0 or 1.0: the max over
@@ -351,55 +484,54 @@ class GradScaler(ClipMixin):
             return self._host_spans[index], index
         return torch.stack([self._scale.to(agreed.device), agreed]), 1
 
-    @eager_under_compile  # as torch's (dynamo skips torch.amp)
+    def _note_written_padding(self, optimizer: torch.optim.Optimizer, groups: list) -> None:
+        """Remember the gradient buckets an unscale wrote in this iteration. A bucket's
+        alignment padding (zeros, in no grad) times an ``inv_scale`` that is not finite (a
+        scale of 0, NaN, or 2**-128 and below, where its float32 reciprocal overflows) becomes
+        NaN, and every later iteration would find it: ``update()`` zeroes the padding again
+        (:meth:`_rezero_written_padding`), unless the plain route's host read saw no
+        overflow (then ``inv_scale`` was finite and the padding is still zero: no launch)."""
+        written = [(group.grads[0], group.padding) for group in groups
+                   if group.padding is not None]
+        if written:
+            self._per_optimizer_states[id(optimizer)]["written_padding"] = written
+
+    def _host_read_span(self, state: dict[str, Any],
+                        agreed: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A device tensor holding the scale at 0 and ``agreed`` at the returned index: a
+        prefix of the [scale, flags...] buffer when ``agreed`` is one of its flags (no op),
+        else a stack of the two."""
+        index = self._buffer_index(state, agreed)
+        if index and self._host_spans:  # none: the state was made in traced code
+            return self._host_spans[index], index
+        return torch.stack([self._scale.to(agreed.device), agreed]), 1
+
+    @eager_frame  # the optimizer's own step is traced as usual, as under torch's scaler
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
                         *args: Any, **kwargs: Any) -> float | None:
+        if self._skips_step(optimizer, optimizer_state):
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    @never_traced
+    def _skips_step(self, optimizer: torch.optim.Optimizer,
+                    optimizer_state: dict[str, Any]) -> bool:
+        """The plain route's decision: the one host read (as torch's ``item()``) of the
+        agreed found_inf, unless steps are never skipped."""
+        if buckets_of(optimizer):  # grad None where no gradient came, as torch
+            attach_bucket_grads(optimizer)
         if not self._policy.skip_on_overflow:
-            return optimizer.step(*args, **kwargs)
+            return False
         agreed = self._agree_found_inf(optimizer_state)
         span, index = self._host_read_span(optimizer_state, agreed)
         values = span.tolist()  # the one host sync of the plain route, as torch's item()
         if not values[index]:
             optimizer_state.pop("written_padding", None)  # no overflow: padding still zero
-            return optimizer.step(*args, **kwargs)
+            return False
         self._warn_if_underflowed(values[0])
-        return None
+        return True
 
-    def _fused_step(self, optimizer, state, *args, **kwargs):
-        if step_takes_grad_scaler(optimizer):
-            warn_at_caller(
-                "GradScaler is going to stop passing itself as a keyword argument to the passed "
-                "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
-                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them "
-                "directly.", FutureWarning)
-            retval = optimizer.step(*args, **kwargs, grad_scaler=self)
-            state["stage"] = OptState.STEPPED
-            return retval
-        if state["stage"] is OptState.READY:
-            self._check_inf_per_device(optimizer)
-        elif not state["found_inf_per_device"] and any(
-                p.grad is not None for g in optimizer.param_groups for p in g["params"]):
-            # unscale_() saw no grads, backward made some since: torch hands the optimizer
-            # found_inf=0 (an int) and no grad_scale, and torch's fused optimizers fail
-            # ("'int' object has no attribute 'device'"); the plain route's error instead
-            raise AssertionError("No inf checks were recorded for this optimizer.")
-        scale = self._get_scale_async()
-        own = getattr(optimizer, "grad_scale", None)
-        if state["stage"] is OptState.UNSCALED:
-            optimizer.grad_scale = own
-        else:  # the scale itself when the optimizer has none of its own (torch: scale * 1)
-            optimizer.grad_scale = scale if own is None else scale * own
-        if state["found_inf_per_device"] and self._policy.skip_on_overflow:
-            optimizer.found_inf = self._agree_found_inf(state)
-        else:  # no grads (torch hands the optimizer 0), or steps are never skipped
-            optimizer.found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        retval = optimizer.step(*args, **kwargs)
-        state["stage"] = OptState.STEPPED
-        del optimizer.grad_scale
-        del optimizer.found_inf
-        return retval
-
-    @traced_under_compile(_traced.update)
+    @traced_when(_can_trace)
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale from this iteration's overflow flags, on the device.
 
@@ -421,33 +553,44 @@ class GradScaler(ClipMixin):
         """
         if not self._enabled:
             return
-        scale, growth_tracker = self._check_scale_growth_tracker("update")
+        scale, growth_tracker = self._check_state("update")
         flags = self._flags
         assert flags is not None  # made with the scale
         self._rezero_written_padding()
         if new_scale is not None:
-            if not isinstance(new_scale, torch.Tensor):  # torch's checks for a tensor
+            if not isinstance(new_scale, torch.Tensor):
                 new_scale = check_scale_value("new_scale", new_scale, self._policy)
                 scale.fill_(new_scale)
-            else:
-                super().update(new_scale)
+            else:  # torch's checks for a tensor
+                reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                          "torch.FloatTensor with requires_grad=False.")
+                assert new_scale.device.type == self._device, reason
+                assert new_scale.numel() == 1, reason
+                assert new_scale.requires_grad is False, reason
+                scale.copy_(new_scale)
             flags.zero_()
             self._reset_iteration()
             return
         states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
         if not states:
             raise AssertionError("No inf checks were recorded prior to update.")
-        extra = self._found_slot(-1)
+        extra = self._found_slot(FOUND_INF_SLOTS - 1)
         for state in states:
             agreed = self._agree_found_inf(state)
             if not self._buffer_index(state, agreed):
                 # rare (a ninth optimizer, several devices): fold it into the last flag
-                torch.maximum(extra, (agreed != 0).float(), out=extra)
+                extra.copy_(torch.maximum(extra, (agreed != 0).float()))
         policy = self._policy
         at_min_scale = policy.dynamic and policy.raise_at_min_scale \
             and self._backs_off_at_min_scale(flags)
         # One launch: combine the flags, record the skip, update the scale, zero the flags.
-        self._bound_update(scale, growth_tracker)()
+        assert self._last_step_skipped is not None and self._skipped_steps_t is not None
+        assert self._params_t is not None  # made with the scale
+        scaler_update(scale, growth_tracker, flags, policy,
+                      hysteresis_tracker=self._hysteresis_tracker_t,
+                      skipped=self._last_step_skipped, skipped_count=self._skipped_steps_t,
+                      params=self._params_t, backend=self._backend,
+                      bound=lambda: self._bound_update(scale, growth_tracker))
         self._reset_iteration()
         if at_min_scale:  # raised after the update is complete: the scaler stays usable
             raise MinScaleReachedError(
@@ -457,7 +600,7 @@ class GradScaler(ClipMixin):
 
     def _bound_update(self, scale: torch.Tensor, growth_tracker: torch.Tensor
                       ) -> Callable[[], None]:
-        """update()'s device work (``ops.bind_scaler_update``), bound once and kept while the
+        """update()'s device work (``bind_scaler_update``), bound once and kept while the
         policy, the backend and each state tensor it uses are the same objects (compared by
         identity: an integrator's new ``_scale`` is seen)."""
         flags, skipped, count = self._flags, self._last_step_skipped_bytes, self._skipped_steps_t
@@ -470,7 +613,7 @@ class GradScaler(ClipMixin):
         if bound is not None and all(map(operator.is_, uses, bound[0])):
             return bound[1]
         assert flags is not None and skipped is not None and count is not None  # with the scale
-        call = ops.bind_scaler_update(scale, growth_tracker, flags, self._policy,
+        call = bind_scaler_update(scale, growth_tracker, flags, self._policy,
                                       hysteresis_tracker=self._hysteresis_tracker_t,
                                       skipped=skipped, skipped_count=count,
                                       backend=self._backend, params=self._params_t)
@@ -484,3 +627,119 @@ class GradScaler(ClipMixin):
         if self._hysteresis_tracker_t is not None:
             backs_off = backs_off & (self._hysteresis_tracker_t <= 1)
         return bool((backs_off & (self._scale <= self._policy.min_scale)).item())
+
+    # ------------------------------------------------------------------ clipping
+    @traced_when(_can_trace)
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,
+                        norm_type: float | str = 2.0, error_if_nonfinite: bool = False, *,
+                        sharded: bool | None = None) -> torch.Tensor:
+        """Unscale the optimizer's grads and clip them by their total norm, in one read pass
+        and one read + write pass (torch's ``unscale_`` + ``clip_grad_norm_`` make five).
+
+        Counts as this iteration's :meth:`unscale_` for ``optimizer`` (``step`` skips on
+        overflow; a later ``unscale_`` raises, as torch). Returns the total norm of the
+        unscaled grads as a 0-d float32 tensor on the scale's device, accumulated in float32
+        (also for bf16 / fp16 grads; float64 with float64 grads, whose clip coefficient is
+        formed from the float64 norm, as torch's). ``norm_type`` 2 and ``inf`` (or
+        ``"inf"``) run fused; other ``p > 0`` run as ``unscale_`` + a clip, as does a
+        subclass that overrides ``_unscale_grads_``. No host sync, except
+        ``error_if_nonfinite=True`` (one read). A disabled scaler clips with torch's
+        ``clip_grad_norm_``. No grads: as torch, a 0 norm and nothing recorded (``step`` then
+        raises). Sparse grads raise, as in torch.
+
+        Whose norm (every rank calls this; the reductions are collective): DTensor grads
+        (FSDP2, tensor parallel) give the global norm over their mesh, as torch's clip.
+        Plain grads: ``sharded=False`` (or no ``process_group``), the norm of this rank's
+        grads, as torch's clip (DDP, whose grads are already reduced); ``sharded=True``, they
+        are shards of one gradient over the scaler's ``process_group`` (FSDP1 with a sharded
+        strategy, ZeRO-style sharding) and the norm is summed over it, as
+        ``FullyShardedDataParallel.clip_grad_norm_``. With a ``process_group`` and plain
+        grads, ``sharded`` must be given.
+
+        Args:
+            optimizer: the optimizer whose grads to unscale and clip.
+            max_norm: the largest total norm, finite and >= 0.
+            norm_type: p of the p-norm, > 0, or ``inf`` / ``"inf"``.
+            error_if_nonfinite: raise when the total norm is non-finite, as torch's clip.
+            sharded: whether plain grads are shards over the scaler's ``process_group``.
+
+        Returns:
+            The total norm of the unscaled grads, a 0-d float32 tensor on the scale's device.
+
+        Raises:
+            RuntimeError: a non-finite norm with ``error_if_nonfinite=True``; torch's errors
+                for a second unscale in one iteration.
+            ValueError, TypeError: a bad argument, named; ``sharded`` missing where needed.
+            NotImplementedError: sparse grads.
+
+        .. note:: Does not synchronise with the host, except ``error_if_nonfinite=True``
+            (one read).
+        """
+        max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
+        if not isinstance(error_if_nonfinite, bool):
+            raise TypeError(f"error_if_nonfinite must be a bool; got {error_if_nonfinite!r}")
+        if not self._enabled:  # GradBuckets: grad None where no gradient came (as unscale_)
+            attach_bucket_grads(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        shard_group = self._shard_group(params, sharded)
+        if any(p.grad.is_sparse for p in params):
+            raise NotImplementedError(
+                "clip_grad_norm_ takes dense gradients only; a parameter has a sparse one "
+                "(torch.nn.utils.clip_grad_norm_ does not take them either)")
+        if not self._enabled and shard_group is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                                  error_if_nonfinite).float()
+        if not self._enabled:
+            device = params[0].grad.device if params else torch.device("cpu")
+            return clip_unscaled(params, max_norm, norm_type, shard_group, device,
+                                 error_if_nonfinite)
+        if norm_type not in (2.0, math.inf) or (not params and shard_group is None) or \
+                self._overrides_unscale_grads():  # a subclass's own unscale: through it
+            self.unscale_(optimizer)  # no grads: as torch, unscale_ records none, norm 0
+            device = self._scale.device
+            if shard_group is None:
+                total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                                       error_if_nonfinite)
+                return total.float().to(device)
+            return clip_unscaled(params, max_norm, norm_type, shard_group, device,
+                                 error_if_nonfinite)
+        state = self._ready_to_unscale(optimizer, "unscale_")  # torch's unscale_ errors
+        found_for = PerDevice(self._found_inf_flag(state))
+        with torch.no_grad():
+            groups, mesh_groups = collect_grads(optimizer, self._unscales_fp16, self._backend,
+                                                True)
+            total, nonfinite = fused_clip(optimizer, groups, mesh_groups, found_for,
+                                          self._scale, self._backend, max_norm, norm_type,
+                                          shard_group, error_if_nonfinite)
+            # a bucket's padding times a NaN coefficient (a non-finite norm: an overflow) or
+            # an infinite inv_scale is NaN: zeroed again in update() after an overflow
+            self._note_written_padding(optimizer, groups)
+        if not groups and self._process_group is not None:
+            found_for.get(self._scale.device)  # no grads here: join the agreement with 0
+        state["found_inf_per_device"] = found_for.per_device
+        state["stage"] = OptState.UNSCALED
+        if found_for.per_device:  # none when no grad remained (GradBuckets: none received)
+            self._agree_found_inf(state)
+        if nonfinite:  # as torch: unscaled (recorded as unscale_), not clipped
+            raise_nonfinite(norm_type)
+        return total
+
+    def _shard_group(self, params: list, sharded: bool | None) -> Any:
+        """The group over which plain grads are shards (None: they are whole); raises when
+        ``sharded`` is not a bool or None, or is needed and missing."""
+        if sharded is not None and not isinstance(sharded, bool):
+            raise TypeError(f"sharded must be True, False or None; got {sharded!r}")
+        group = self._process_group
+        if sharded and group is None:
+            raise ValueError("sharded=True sums the norm over the scaler's process_group, and "
+                             "this GradScaler has none: pass GradScaler(..., process_group=pg)")
+        if sharded is None and group is not None and \
+                any(type(p.grad) is torch.Tensor for p in params):
+            raise ValueError(
+                "clip_grad_norm_ with a process_group and plain (not DTensor) grads: pass "
+                "sharded=True when each rank's grads are shards of one gradient (FSDP1 with a "
+                "sharded strategy, ZeRO-style sharding: the norm is summed over process_group) "
+                "or sharded=False when every rank holds the whole gradient (DDP: the norm is "
+                "this rank's, as torch.nn.utils.clip_grad_norm_)")
+        return group if sharded else None
+

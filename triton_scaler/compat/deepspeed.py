@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .. import ops
+from .. import _dispatch, ops
 from .._backend import Backend, check_backend
 from ..policy import ScalePolicy, as_bool, check_scale_value
 from ._common import bool_flags, default_device, fp32_value, grads_of, overflow_flag
@@ -130,7 +130,7 @@ class DynamicLossScaler(LossScaler):
             if (backs_off & (self._scale == self.min_scale)).item():
                 raise Exception("Current loss scale already at minimum - cannot decrease scale "
                                 "anymore. Exiting run.")
-        ops.update_with_policy_(self._scale, self._growth_tracker, found, self._policy,
+        _dispatch.update_scale(self._scale, self._growth_tracker, found, self._policy,
                                 hysteresis_tracker=self._hysteresis, backend=self._backend)
         self._known_scale = None
         self._growth_tracker.copy_(torch.where(found != 0, -1, self._growth_tracker))

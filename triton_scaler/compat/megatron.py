@@ -5,7 +5,7 @@ loss scale, a one-element fp32 tensor), ``inv_scale`` (for the unscale op), ``up
 and ``state_dict()`` / ``load_state_dict()``. These classes keep that interface, so one can be
 passed where Megatron builds its own (``get_megatron_optimizer``'s ``grad_scaler``):
 
-* ``update`` runs on the device, one :func:`triton_scaler.ops.update_with_policy_` launch. It
+* ``update`` runs on the device, one :func:`triton_scaler.ops.update_scale_` launch. It
   takes Megatron's host ``bool`` or the one-element ``found_inf`` tensor itself (then without
   the host read Megatron makes to form the bool).
 * The factors and ``min_scale`` are rounded to float32 first, as Megatron holds them, so the
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .. import ops, reference
+from .. import _dispatch, reference
 from .._backend import Backend, check_backend
 from ..policy import (
     INT32_MAX,
@@ -191,7 +191,7 @@ class DynamicGradScaler(MegatronGradScaler):
         """Megatron's update from ``found_inf`` (a bool, or a one-element tensor of which any
         non-zero value is an overflow), on the device. No host read for a tensor flag."""
         found = overflow_flag(_checked_found_inf(found_inf), self._bool_flags)
-        ops.update_with_policy_(self._scale, self._growth_tracker, found, self._policy,
+        _dispatch.update_scale(self._scale, self._growth_tracker, found, self._policy,
                                 hysteresis_tracker=self._hysteresis_tracker,
                                 backend=self._backend)
 

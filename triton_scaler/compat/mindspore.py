@@ -14,7 +14,7 @@ from typing import overload
 
 import torch
 
-from .. import ops, reference
+from .. import _dispatch, ops, reference
 from .._backend import Backend, check_backend
 from ..grad_scaler import GradScaler
 from ..policy import INT32_MAX, ScalePolicy, as_bool, as_int, check_scale_value
@@ -113,7 +113,7 @@ class DynamicLossScaler(StaticLossScaler):
         """Update ``scale_value`` from ``grads_finite`` (a bool or a one-element bool tensor),
         on the device. ``TypeError`` for any other flag, as MindSpore."""
         found = _overflow_flag(grads_finite, self._bool_flags)
-        ops.update_with_policy_(self.scale_value, self.counter, found, self._policy,
+        _dispatch.update_scale(self.scale_value, self.counter, found, self._policy,
                                 backend=self._backend)
         return True
 

@@ -1,0 +1,76 @@
+"""Whether ``torch.compile`` is tracing the code that runs now, and how code that must not be
+traced runs eagerly from inside it.
+
+The scaler's calls are written once and run both eagerly and traced. Only the seams ask
+:func:`is_traced`: collecting the grads (:func:`triton_scaler._grads.collect_grads`),
+dispatching device work (:mod:`triton_scaler._dispatch`) and making the device state
+(:meth:`triton_scaler._state.ScalerState._init_device_state`). Host work that must not be
+traced (an optimizer's own step with attributes set on it, a host read, bookkeeping of
+gradient buckets) runs in an :func:`eager_frame`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def is_traced() -> bool:
+    """Whether dynamo is tracing the caller (``torch.compile``). In eager code one plain call
+    (``is_dynamo_compiling`` is ``return False`` outside dynamo)."""
+    return torch.compiler.is_dynamo_compiling()
+
+
+def run_eagerly(fn: Callable[..., Any], *args: Any, recursive: bool = True, **kwargs: Any) -> Any:
+    """Call ``fn`` eagerly from code that dynamo traces: a graph break. ``recursive=False``:
+    only ``fn``'s own frame; dynamo still compiles the frames it calls (an optimizer's step,
+    as it does when torch's scaler calls it)."""
+    from torch._dynamo import disable
+
+    return disable(fn, recursive=recursive)(*args, **kwargs)
+
+
+def eager_frame(fn: _Fn) -> _Fn:
+    """Run ``fn``'s own frame eagerly when traced code calls it (a graph break); the frames
+    it calls are traced as usual (an optimizer's own step). In eager code a plain call."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if is_traced():
+            return run_eagerly(fn, *args, recursive=False, **kwargs)
+        return fn(*args, **kwargs)
+    return cast(_Fn, wrapper)
+
+
+def never_traced(fn: _Fn) -> _Fn:
+    """Run ``fn`` and everything it calls eagerly when traced code calls it, as dynamo does
+    for ``torch.amp.GradScaler`` itself (it skips torch.amp): a graph break per call."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if is_traced():
+            return run_eagerly(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
+    return cast(_Fn, wrapper)
+
+
+def traced_when(can_trace: Callable[..., bool]) -> Callable[[_Fn], _Fn]:
+    """Decorate a scaler method: traced code runs the method itself (the same body as in
+    eager code) when ``can_trace(self, name, args, kwargs)``, else the method eagerly (a graph
+    break; an error under ``fullgraph=True``). Eager code calls the method directly."""
+
+    def decorate(method: _Fn) -> _Fn:
+        name = method.__name__
+
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            if is_traced() and not can_trace(self, name, args, kwargs):
+                return run_eagerly(method, self, *args, **kwargs)
+            return method(self, *args, **kwargs)
+        return cast(_Fn, wrapper)
+    return decorate

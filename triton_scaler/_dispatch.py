@@ -1,0 +1,376 @@
+"""The device boundary: every unscale, check, clip pass and scale update goes through here,
+to the Triton kernels or the reference path, and, in code that ``torch.compile`` traces,
+through the registered torch ops at the bottom of this module.
+
+This is the dispatch seam of the scaler's calls (:mod:`._compile`): eager code calls the
+implementations directly (a registered op costs host microseconds of dispatch per call);
+traced code calls the registered ops, which Inductor treats as opaque and which run the same
+implementations on real tensors at run time. Either way the same kernels run over the same
+plans, so a call gives the same bits eagerly and compiled.
+
+The registered ops (namespace ``triton_scaler``), each returning nothing and mutating what
+its schema says, except ``unscale_norm_``, which returns the norm partial:
+
+* ``non_finite_check_and_unscale_(grads, found_inf, inv_scale, backend)``;
+* ``non_finite_check_(grads, found_inf, inv_scale, backend)``;
+* ``unscale_norm_(grads, found_inf, inv_scale, norm, backend) -> Tensor``: the clip's read
+  pass (found_inf, and the sum of squares or max ``|x|`` of the unscaled grads);
+* ``unscale_clip_(grads, found_inf, inv_scale, clip_coef, backend)``: the clip's write pass;
+* ``update_scale_(scale, growth_tracker, found_inf, hysteresis_tracker, <settings>, backend,
+  params)``;
+* ``scaler_update_(scale, growth_tracker, flags, hysteresis_tracker, skipped, skipped_count,
+  params, <settings>, backend)``: the one launch of :meth:`GradScaler.update`;
+* ``before_backward_(token)``: the gradient buckets' host-side note that a backward
+  follows; ``token`` is declared mutated so that the op stays in the graph, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.library import custom_op
+
+from . import _plans, reference
+from ._backend import resolve_backend, triton_kernels
+from ._bucket import before_backward
+from ._compile import is_traced, run_eagerly
+from ._distributed import add_groups, agree_over_meshes, local_grad
+from ._op_args import PLAIN, as_tensor_list, check_flag, group_grads, nested_grad_error
+from .policy import ScalePolicy, cached_policy
+
+if TYPE_CHECKING:
+    from ._grads import GradGroup
+
+
+# ---------------------------------------------------------------- the scaler's device work
+def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor,
+                  backend: str, write: bool, *, from_scale: bool = False, norm: int = 0,
+                  clip_coef: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Unscale (or only check) one :class:`GradGroup` (grads of one device and dtype), with no
+    argument checks: the scaler, which groups grads as torch does, guarantees them.
+
+    ``from_scale``: ``scale`` is the scale, whose reciprocal is formed as torch forms it
+    (``fp32(1 / fp64(scale))``); else it is ``inv_scale``. ``clip_grad_norm_``'s passes, on the
+    Triton backend only: ``norm`` (2 or -1, ``write=False``) returns the group's sum of
+    squares (max ``|x|``) of the unscaled grads; ``clip_coef`` also multiplies them by it
+    before storing. Returns None otherwise. No host sync."""
+    if is_traced():
+        inv_scale = reference.inv_scale_of(scale) if from_scale else scale
+        if norm:
+            return _ops.unscale_norm_(group.grads, found_inf, inv_scale, norm, backend)
+        if clip_coef is not None:
+            _ops.unscale_clip_(group.grads, found_inf, inv_scale, clip_coef, backend)
+        elif write:
+            _ops.non_finite_check_and_unscale_(group.grads, found_inf, inv_scale, backend)
+        else:
+            _ops.non_finite_check_(group.grads, found_inf, inv_scale, backend)
+        return None
+    if group.plan is not None or resolve_backend(backend, found_inf.device) == "triton":
+        return triton_kernels().launch_unscale(group.launch_target(), found_inf, scale,
+                                               write=write, norm=norm, clip_coef=clip_coef,
+                                               inv_from_scale=from_scale)
+    if norm or clip_coef is not None:
+        raise ValueError("the clip's fused passes run on the Triton backend only")
+    _reference_unscale(group.grads, found_inf,
+                       reference.inv_scale_of(scale) if from_scale else scale, write)
+    return None
+
+
+def _reference_unscale(grads: list[torch.Tensor], found_inf: torch.Tensor,
+                       inv_scale: torch.Tensor, write: bool) -> None:
+    if write:
+        reference.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    else:
+        reference.check_(grads, found_inf, inv_scale)
+
+
+def note_backward(token: torch.Tensor) -> None:
+    """Tell the gradient buckets that a backward follows (host only): in traced code, the
+    registered op that does it where the compiled ``scale`` runs."""
+    if is_traced():
+        _ops.before_backward_(token)
+    else:
+        before_backward()
+
+
+def scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
+                  policy: ScalePolicy, *, hysteresis_tracker: torch.Tensor | None,
+                  skipped: torch.Tensor, skipped_count: torch.Tensor,
+                  params: torch.Tensor, backend: str,
+                  bound: Callable[[], Callable[[], None]]) -> None:
+    """:meth:`GradScaler.update`'s one launch: eager code calls what ``bound()`` returns
+    (:func:`bind_scaler_update`, kept by the scaler); traced code the registered op, handed
+    this iteration's overflow as a flag of its own, the flags zeroed after it (inductor in
+    older torch mistranslated a copy of the flags, a view of the scale's buffer)."""
+    if not is_traced():
+        bound()()
+        return
+    found = (flags != 0).any().float().reshape(1)
+    _ops.scaler_update_(
+        scale, growth_tracker, found, hysteresis_tracker, skipped, skipped_count, params,
+        policy.growth_factor, policy.backoff_factor, policy.growth_interval,
+        policy.hysteresis, policy.consecutive_hysteresis, policy.min_scale, policy.max_scale,
+        policy.dynamic, policy.skip_on_overflow, backend)
+    flags.zero_()
+
+
+def bind_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
+                       policy: ScalePolicy, *, hysteresis_tracker: torch.Tensor | None,
+                       skipped: torch.Tensor, skipped_count: torch.Tensor, backend: str,
+                       params: torch.Tensor | None) -> Callable[[], None]:
+    """The whole of :meth:`GradScaler.update` on the device, bound once: each call of the
+    result is one update. An overflow is any non-zero entry of ``flags`` (1-D fp32, one per
+    optimizer); it is recorded in ``skipped`` (0-d bool, or its ``uint8`` view, made once by
+    the scaler) and ``skipped_count`` (0-d int64) when ``policy.skip_on_overflow``, the scale
+    is updated when ``policy.dynamic``, and ``flags`` is zeroed. One launch per call on
+    Triton; no host sync."""
+    if resolve_backend(backend, scale.device) == "triton":
+        return triton_kernels().bind_update_scale(
+            scale, growth_tracker, flags,
+            policy.kernel_params(scale.device) if params is None else params,
+            hysteresis_tracker, policy.consecutive_hysteresis, dynamic=policy.dynamic,
+            skipped=skipped if policy.skip_on_overflow else None,
+            skipped_count=skipped_count, reset_found=True)
+
+    def reference_update() -> None:
+        found = (flags != 0).any()
+        if policy.skip_on_overflow:
+            skipped.copy_(found)
+            skipped_count.add_(found)
+        if policy.dynamic:
+            reference.update_scale_(scale, growth_tracker, found.float(), policy,
+                                    hysteresis_tracker)
+        flags.zero_()
+
+    return reference_update
+
+
+# ---------------------------------------------------------------- the public ops' work
+def unscale_or_check(grads: Sequence[torch.Tensor], found_inf: torch.Tensor,
+                     inv_scale: torch.Tensor, backend: Any, write: bool) -> None:
+    """:func:`triton_scaler.ops.non_finite_check_and_unscale_` (``write``) or
+    :func:`~triton_scaler.ops.non_finite_check_`: traced code calls the registered op, or runs
+    this eagerly (a graph break) for what the op does not take (tensor subclasses, a single
+    tensor, a backend that is not a string)."""
+    if not is_traced():
+        _unscale_or_check(grads, found_inf, inv_scale, backend, write)
+    elif isinstance(grads, (list, tuple)) and isinstance(backend, str) and _plain(grads):
+        op = _ops.non_finite_check_and_unscale_ if write else _ops.non_finite_check_
+        op(list(grads), found_inf, inv_scale, backend)
+    else:
+        run_eagerly(_unscale_or_check, grads, found_inf, inv_scale, backend, write)
+
+
+def _plain(tensors: Sequence) -> bool:
+    """Whether each item is a plain tensor or parameter (a loop, not ``all(...)``: older
+    dynamo versions cannot inline a generator there)."""
+    for t in tensors:
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return False
+    return True
+
+
+def _unscale_or_check(grads, found_inf, inv_scale, backend, write) -> None:
+    """The public ops' work, arguments checked (also the registered ops' implementation).
+    On Triton, grads at the addresses of a recent list, laid out as it was, launch that
+    list's plans again (:func:`._plans.ops_plans`)."""
+    grads = as_tensor_list(grads)
+    check_flag("found_inf", found_inf, torch.float32)
+    check_flag("inv_scale", inv_scale, torch.float32)
+    if inv_scale.device != found_inf.device:
+        raise ValueError(f"inv_scale is on {inv_scale.device} but found_inf is on {found_inf.device}")
+    resolved = resolve_backend(backend, found_inf.device)
+    mesh_groups: list = []  # every process group any DTensor grad is sharded over
+    plain = PLAIN.issuperset(map(type, grads))
+    if not plain:  # rare: a DTensor (its local shard) or such
+        meshes: dict = {}
+        for i, g in enumerate(grads):
+            if isinstance(g, torch.Tensor) and type(g) not in PLAIN:
+                if g.is_nested:  # jagged (a subclass); strided ones are checked with the rest
+                    raise nested_grad_error(i)
+                grads[i], groups = local_grad(g, resolved, meshes)
+                if groups:
+                    add_groups(mesh_groups, groups)
+        plain = PLAIN.issuperset(map(type, grads))
+    if resolved == "reference" and write:
+        try:  # torch's op checks the grads itself: no per-tensor Python work when they are fine
+            _reference_unscale(grads, found_inf, inv_scale, write)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            group_grads(grads, found_inf.device, plain)  # raises the clearer error, if it finds one
+            raise
+    elif resolved == "triton":  # plans kept for grads at the same addresses (subclasses
+        # were unwrapped or refused above: what is not plain is no tensor, which group_grads refuses)
+        kernels = triton_kernels()
+        for plan in _plans.ops_plans(grads, found_inf.device, write,
+                                     lambda: group_grads(grads, found_inf.device, plain)):
+            kernels.launch_unscale(plan, found_inf, inv_scale, write=write)
+    else:
+        for members in group_grads(grads, found_inf.device, plain):
+            _reference_unscale(members, found_inf, inv_scale, write)
+    if mesh_groups:  # as torch's op under DTensor dispatch, over the union of the grads'
+        # sharded dimensions (torch's: its first grad's; docs/distributed.md)
+        agree_over_meshes({found_inf.device: found_inf}, {found_inf.device: mesh_groups})
+
+
+def update_scale(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor,
+                 policy: ScalePolicy, *, hysteresis_tracker: torch.Tensor | None = None,
+                 backend: Any = "auto", params: torch.Tensor | None = None) -> None:
+    """:func:`triton_scaler.ops.update_scale_` with its settings as a validated
+    :class:`ScalePolicy`; traced code calls the registered op. No host sync."""
+    if is_traced() and isinstance(backend, str):
+        _ops.update_scale_(
+            scale, growth_tracker, found_inf, hysteresis_tracker, policy.growth_factor,
+            policy.backoff_factor, policy.growth_interval, policy.hysteresis,
+            policy.consecutive_hysteresis, policy.min_scale, policy.max_scale, backend, params)
+        return
+    check_flag("scale", scale, torch.float32)
+    check_flag("growth_tracker", growth_tracker, torch.int32)
+    check_flag("found_inf", found_inf, torch.float32)
+    if hysteresis_tracker is not None:
+        check_flag("hysteresis_tracker", hysteresis_tracker, torch.int32)
+    for name, t in (("growth_tracker", growth_tracker), ("found_inf", found_inf),
+                    ("hysteresis_tracker", hysteresis_tracker)):
+        if t is not None and t.device != scale.device:
+            raise ValueError(f"{name} is on {t.device} but scale is on {scale.device}; scale, "
+                             "growth_tracker, found_inf and hysteresis_tracker must share one "
+                             "device")
+    if resolve_backend(backend, scale.device) == "triton":
+        if params is None:
+            params = policy.kernel_params(scale.device)
+        triton_kernels().bind_update_scale(scale, growth_tracker, found_inf, params,
+                                           hysteresis_tracker, policy.consecutive_hysteresis)()
+    else:
+        reference.update_scale_(scale, growth_tracker, found_inf, policy, hysteresis_tracker)
+
+
+def update_scale_with_settings(scale, growth_tracker, found_inf, hysteresis_tracker,
+                               growth_factor, backoff_factor, growth_interval, hysteresis,
+                               consecutive_hysteresis, min_scale, max_scale, backend,
+                               params) -> None:
+    """:func:`triton_scaler.ops.update_scale_`: traced code hands settings that are Python
+    numbers of their kinds to the registered op (which validates them at run time); anything
+    else is validated here, and refused with its name."""
+    if is_traced() and isinstance(backend, str) and _numbers(
+            (growth_factor, backoff_factor, min_scale, max_scale), (growth_interval, hysteresis),
+            (consecutive_hysteresis,)):
+        _ops.update_scale_(scale, growth_tracker, found_inf, hysteresis_tracker,
+                           float(growth_factor), float(backoff_factor), growth_interval,
+                           hysteresis, consecutive_hysteresis, float(min_scale),
+                           float(max_scale), backend, params)
+        return
+    policy = cached_policy(growth_factor=growth_factor, backoff_factor=backoff_factor,
+                           growth_interval=growth_interval, hysteresis=hysteresis,
+                           consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
+                           max_scale=max_scale)
+    update_scale(scale, growth_tracker, found_inf, policy, hysteresis_tracker=hysteresis_tracker,
+                 backend=backend, params=params)
+
+
+def _numbers(reals: tuple, ints: tuple, bools: tuple) -> bool:
+    """Whether the settings are Python numbers of their kinds, which the registered ops take."""
+    for v in reals:
+        if type(v) is not int and type(v) is not float:
+            return False
+    for v in ints:
+        if type(v) is not int:
+            return False
+    for v in bools:
+        if type(v) is not bool:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------- the registered ops
+_NAMESPACE = "triton_scaler"
+
+
+def _unscale_impl(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+                  backend: str) -> None:
+    _unscale_or_check(grads, found_inf, inv_scale, backend, write=True)
+
+
+def _check_impl(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+                backend: str) -> None:
+    _unscale_or_check(grads, found_inf, inv_scale, backend, write=False)
+
+
+def _norm_impl(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+               norm: int, backend: str) -> torch.Tensor:
+    partial = triton_kernels().launch_unscale(_plans.plan_unscale(grads), found_inf, inv_scale,
+                                              write=False, norm=norm)
+    assert partial is not None  # a norm pass returns its partial
+    return partial
+
+
+def _norm_fake(grads, found_inf, inv_scale, norm, backend) -> torch.Tensor:
+    fp64 = bool(grads) and grads[0].dtype == torch.float64
+    return found_inf.new_empty((), dtype=torch.float64 if fp64 else torch.float32)
+
+
+def _clip_impl(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+               clip_coef: torch.Tensor, backend: str) -> None:
+    triton_kernels().launch_unscale(_plans.plan_unscale(grads), found_inf, inv_scale,
+                                    write=True, clip_coef=clip_coef)
+
+
+def _update_scale_impl(scale: torch.Tensor, growth_tracker: torch.Tensor,
+                       found_inf: torch.Tensor, hysteresis_tracker: torch.Tensor | None,
+                       growth_factor: float, backoff_factor: float, growth_interval: int,
+                       hysteresis: int, consecutive_hysteresis: bool, min_scale: float,
+                       max_scale: float, backend: str, params: torch.Tensor | None) -> None:
+    policy = cached_policy(growth_factor=growth_factor, backoff_factor=backoff_factor,
+                           growth_interval=growth_interval, hysteresis=hysteresis,
+                           consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
+                           max_scale=max_scale)
+    update_scale(scale, growth_tracker, found_inf, policy, hysteresis_tracker=hysteresis_tracker,
+                 backend=backend, params=params)
+
+
+def _scaler_update_impl(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
+                        hysteresis_tracker: torch.Tensor | None, skipped: torch.Tensor,
+                        skipped_count: torch.Tensor, params: torch.Tensor,
+                        growth_factor: float, backoff_factor: float, growth_interval: int,
+                        hysteresis: int, consecutive_hysteresis: bool, min_scale: float,
+                        max_scale: float, dynamic: bool, skip_on_overflow: bool,
+                        backend: str) -> None:
+    policy = cached_policy(growth_factor=growth_factor, backoff_factor=backoff_factor,
+                           growth_interval=growth_interval, hysteresis=hysteresis,
+                           consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
+                           max_scale=max_scale, dynamic=dynamic,
+                           skip_on_overflow=skip_on_overflow)
+    bind_scaler_update(scale, growth_tracker, flags, policy,
+                       hysteresis_tracker=hysteresis_tracker, skipped=skipped.view(torch.uint8),
+                       skipped_count=skipped_count, backend=backend, params=params)()
+
+
+def _before_backward_impl(token: torch.Tensor) -> None:
+    before_backward()
+
+
+def _nothing(*args, **kwargs) -> None:
+    """The fake implementation of the ops that return nothing: each mutates its arguments
+    in place, which keeps their shapes, dtypes and devices."""
+    return None
+
+
+def _define(name: str, mutates: tuple[str, ...], impl, fake=_nothing) -> None:
+    if hasattr(getattr(torch.ops, _NAMESPACE), name):  # registered once per process
+        return
+    op = custom_op(f"{_NAMESPACE}::{name}", mutates_args=mutates)(impl)
+    op.register_fake(fake)
+
+
+_define("non_finite_check_and_unscale_", ("grads", "found_inf"), _unscale_impl)
+_define("non_finite_check_", ("found_inf",), _check_impl)
+_define("unscale_norm_", ("found_inf",), _norm_impl, _norm_fake)
+_define("unscale_clip_", ("grads", "found_inf"), _clip_impl)
+_define("update_scale_", ("scale", "growth_tracker", "hysteresis_tracker"), _update_scale_impl)
+_define("scaler_update_", ("scale", "growth_tracker", "flags", "hysteresis_tracker", "skipped",
+                           "skipped_count"), _scaler_update_impl)
+_define("before_backward_", ("token",), _before_backward_impl)
+
+#: ``torch.ops.triton_scaler``: the registered ops, e.g. ``_ops.scaler_update_``.
+_ops = getattr(torch.ops, _NAMESPACE)
+ops_namespace = _ops
