@@ -1,6 +1,7 @@
-"""The layers' boundaries, read from the source: ``kernels/`` imports nothing from the package
-but the description of its arguments (``triton_scaler/_kernel_args.py``), the unscale kernel
-is launched from ``triton_scaler/ops.py`` alone, and launch planning keeps what it reuses in
+"""The layers' boundaries, read from the source: no import cycle, internal modules import no
+public module above them, ``kernels/`` imports nothing from the package but the description
+of its arguments (``triton_scaler/_kernel_args.py``), the unscale kernel is launched from
+the dispatch layer (``triton_scaler/_dispatch.py``) alone, and launch planning keeps what it reuses in
 one bounded store, which a scaler step and an ops call both fill."""
 
 import ast
@@ -33,14 +34,14 @@ def test_kernels_import_only_the_description_of_their_arguments():
         assert from_package <= {"triton_scaler._kernel_args"}, (path.name, from_package)
 
 
-def test_the_unscale_kernel_is_launched_from_the_ops_alone():
+def test_the_unscale_kernel_is_launched_from_the_dispatch_layer_alone():
     callers = set()
     for path in sorted((ROOT / "triton_scaler").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                     node.func.attr == "launch_unscale":
                 callers.add(path.name)
-    assert callers == {"ops.py"}
+    assert callers == {"_dispatch.py"}
 
 
 def test_a_scaler_step_and_an_ops_call_keep_their_plans_in_the_one_store(
@@ -68,3 +69,63 @@ def test_a_scaler_step_and_an_ops_call_keep_their_plans_in_the_one_store(
     assert _plan_store.count("grads") == 1
     _plan_store.clear()
 
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Each module of the package (and ``kernels/``, as ``kernels.<name>``) with the package
+    modules it imports anywhere in its source: lazy, function-local and type-checking
+    imports included."""
+    files = {f"{path.stem}": path for path in (ROOT / "triton_scaler").glob("*.py")}
+    files.update({f"compat.{p.stem}": p for p in (ROOT / "triton_scaler" / "compat").glob("*.py")})
+    files.update({f"kernels.{p.stem}": p for p in (ROOT / "kernels").glob("*.py")})
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name.rsplit(".", 1)[0] if "." in name else ""
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level == 1:
+                    base = f"{package}.{base}".strip(".") if package else base
+                elif node.level == 2:
+                    pass  # from the package root (compat -> triton_scaler)
+                elif base.startswith("triton_scaler."):
+                    base = base[len("triton_scaler."):]
+                elif base == "triton_scaler":
+                    base = ""
+                else:
+                    continue
+                targets = [base] if base else []
+                targets += [f"{base}.{a.name}".strip(".") for a in node.names]
+                found.update(t for t in targets if t in files and t != name)
+        graph[name] = found
+    return graph
+
+
+def test_no_module_of_the_package_takes_part_in_an_import_cycle():
+    graph = _package_imports()
+    state: dict[str, int] = {}
+
+    def visit(name, path):
+        state[name] = 1
+        for nxt in sorted(graph[name]):
+            if state.get(nxt) == 1:
+                raise AssertionError(f"import cycle: {' -> '.join(path + [nxt])}")
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_internal_modules_import_no_public_module_above_them():
+    """The scaler's internals sit below the public face: no ``_``-module imports
+    ``grad_scaler``, ``ops``, ``buckets``, ``sharded``, ``schedulers``, ``integrations`` or the
+    adapters."""
+    public = {"grad_scaler", "ops", "buckets", "sharded", "schedulers", "integrations",
+              "diagnostics", "demo", "bench"}
+    for name, imported in _package_imports().items():
+        if (name.startswith("_") and not name.startswith("__")) or name.startswith("kernels."):
+            assert not (imported & public), (name, imported & public)
