@@ -58,12 +58,12 @@ def test_the_reference_backend_never_reaches_triton(monkeypatch):
     """``backend="reference"`` is torch alone: no op asks for the Triton kernels (on CPU the
     interpreter would give the same bits, so only this tells the two apart), and the results
     are torch's."""
-    from triton_scaler import _backend, _plans
+    from triton_scaler import _backend, _dispatch, _plans
 
     def refused():
         raise AssertionError("the reference backend asked for the Triton kernels")
 
-    for module in (_backend, ops, _plans):
+    for module in (_backend, _dispatch, _plans):
         monkeypatch.setattr(module, "triton_kernels", refused)
     grads = [torch.tensor([1.0, -math.inf, 3.0]), torch.ones(5, dtype=torch.float16)[::2]]
     expected = [g.clone() for g in grads]

@@ -122,7 +122,7 @@ def fused_clip(optimizer: torch.optim.Optimizer, groups: list[GradGroup], mesh_g
     device = scale.device
     scale_for = PerDevice(scale)
     # torch's arithmetic where no group runs on the Triton kernels
-    on_triton = [resolve_backend(backend, g.device) == "triton" for g in groups]
+    on_triton = [_on_triton(g, backend) for g in groups]
     if True not in on_triton:
         for group in groups:
             dev = group.device
