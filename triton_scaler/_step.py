@@ -7,10 +7,13 @@ import inspect
 
 import torch
 
+from ._compile import never_traced
+
 #: On the optimizer: (its step function, whether that takes ``grad_scaler``).
 _STEP_SIGNATURE_ATTR = "_triton_scaler_step_takes_grad_scaler"
 
 
+@never_traced  # inspect and the optimizer's __dict__: host work, never in a graph
 def step_takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` has a ``grad_scaler`` parameter (torch's deprecated fused
     contract). torch asks ``inspect.signature`` at every fused step (~7 us); the answer is
