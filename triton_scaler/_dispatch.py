@@ -320,12 +320,9 @@ def _update_scale_impl(scale: torch.Tensor, growth_tracker: torch.Tensor,
                        growth_factor: float, backoff_factor: float, growth_interval: int,
                        hysteresis: int, consecutive_hysteresis: bool, min_scale: float,
                        max_scale: float, backend: str, params: torch.Tensor | None) -> None:
-    policy = cached_policy(growth_factor=growth_factor, backoff_factor=backoff_factor,
-                           growth_interval=growth_interval, hysteresis=hysteresis,
-                           consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
-                           max_scale=max_scale)
-    update_scale(scale, growth_tracker, found_inf, policy, hysteresis_tracker=hysteresis_tracker,
-                 backend=backend, params=params)
+    update_scale_with_settings(scale, growth_tracker, found_inf, hysteresis_tracker,
+                               growth_factor, backoff_factor, growth_interval, hysteresis,
+                               consecutive_hysteresis, min_scale, max_scale, backend, params)
 
 
 def _scaler_update_impl(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,

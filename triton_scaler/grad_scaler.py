@@ -484,28 +484,6 @@ class GradScaler(ScalerStateMixin):
             return self._host_spans[index], index
         return torch.stack([self._scale.to(agreed.device), agreed]), 1
 
-    def _note_written_padding(self, optimizer: torch.optim.Optimizer, groups: list) -> None:
-        """Remember the gradient buckets an unscale wrote in this iteration. A bucket's
-        alignment padding (zeros, in no grad) times an ``inv_scale`` that is not finite (a
-        scale of 0, NaN, or 2**-128 and below, where its float32 reciprocal overflows) becomes
-        NaN, and every later iteration would find it: ``update()`` zeroes the padding again
-        (:meth:`_rezero_written_padding`), unless the plain route's host read saw no
-        overflow (then ``inv_scale`` was finite and the padding is still zero: no launch)."""
-        written = [(group.grads[0], group.padding) for group in groups
-                   if group.padding is not None]
-        if written:
-            self._per_optimizer_states[id(optimizer)]["written_padding"] = written
-
-    def _host_read_span(self, state: dict[str, Any],
-                        agreed: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """A device tensor holding the scale at 0 and ``agreed`` at the returned index: a
-        prefix of the [scale, flags...] buffer when ``agreed`` is one of its flags (no op),
-        else a stack of the two."""
-        index = self._buffer_index(state, agreed)
-        if index and self._host_spans:  # none: the state was made in traced code
-            return self._host_spans[index], index
-        return torch.stack([self._scale.to(agreed.device), agreed]), 1
-
     @eager_frame  # the optimizer's own step is traced as usual, as under torch's scaler
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
                         *args: Any, **kwargs: Any) -> float | None:
