@@ -20,6 +20,18 @@ import torch
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 
+def _own_code(wrapper: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Give ``wrapper`` a code object of its own, named after ``fn``: dynamo keeps its compiled
+    frames per code object, so one shared wrapper code would hold every decorated call's
+    entries in one cache (recompiling as calls alternate, up to its size limit)."""
+    code = wrapper.__code__
+    names = {"co_name": getattr(fn, "__name__", code.co_name)}
+    if hasattr(code, "co_qualname"):  # Python 3.11+
+        names["co_qualname"] = getattr(fn, "__qualname__", names["co_name"])
+    wrapper.__code__ = code.replace(**names)
+    return wrapper
+
+
 def is_traced() -> bool:
     """Whether dynamo is tracing the caller (``torch.compile``). In eager code one plain call
     (``is_dynamo_compiling`` is ``return False`` outside dynamo)."""
@@ -44,7 +56,7 @@ def eager_frame(fn: _Fn) -> _Fn:
         if is_traced():
             return run_eagerly(fn, *args, recursive=False, **kwargs)
         return fn(*args, **kwargs)
-    return cast(_Fn, wrapper)
+    return cast(_Fn, _own_code(wrapper, fn))
 
 
 def never_traced(fn: _Fn) -> _Fn:
@@ -56,7 +68,7 @@ def never_traced(fn: _Fn) -> _Fn:
         if is_traced():
             return run_eagerly(fn, *args, **kwargs)
         return fn(*args, **kwargs)
-    return cast(_Fn, wrapper)
+    return cast(_Fn, _own_code(wrapper, fn))
 
 
 def traced_when(can_trace: Callable[..., bool]) -> Callable[[_Fn], _Fn]:
@@ -72,5 +84,5 @@ def traced_when(can_trace: Callable[..., bool]) -> Callable[[_Fn], _Fn]:
             if is_traced() and not can_trace(self, name, args, kwargs):
                 return run_eagerly(method, self, *args, **kwargs)
             return method(self, *args, **kwargs)
-        return cast(_Fn, wrapper)
+        return cast(_Fn, _own_code(wrapper, method))
     return decorate

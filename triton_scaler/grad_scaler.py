@@ -104,12 +104,13 @@ def _fused_optimizer_step(optimizer: torch.optim.Optimizer, scale: torch.Tensor 
     is kept; else the product with it). An eager frame: attributes set on the optimizer in
     traced code would not reach a step that dynamo does not trace."""
     attach_bucket_grads(optimizer)  # GradBuckets: grad None where no gradient came, as torch
-    own = getattr(optimizer, "grad_scale", None)
-    optimizer.grad_scale = own if scale is None else scale if own is None else scale * own
-    optimizer.found_inf = found_inf
-    retval = optimizer.step(*args, **kwargs)
-    del optimizer.grad_scale
-    del optimizer.found_inf
+    fused: Any = optimizer  # torch's fused contract: attributes the optimizer reads in step
+    own = getattr(fused, "grad_scale", None)
+    fused.grad_scale = own if scale is None else scale if own is None else scale * own
+    fused.found_inf = found_inf
+    retval = fused.step(*args, **kwargs)
+    del fused.grad_scale
+    del fused.found_inf
     return retval
 
 
@@ -120,7 +121,8 @@ def _legacy_fused_step(scaler: GradScaler, optimizer: torch.optim.Optimizer, arg
     torch's FutureWarning."""
     _warn_legacy_fused_step()
     attach_bucket_grads(optimizer)
-    return optimizer.step(*args, **kwargs, grad_scaler=scaler)
+    legacy: Any = optimizer  # its step takes ``grad_scaler=``
+    return legacy.step(*args, **kwargs, grad_scaler=scaler)
 
 
 @never_traced
@@ -466,9 +468,10 @@ class GradScaler(ScalerStateMixin):
         """Remember the gradient buckets an unscale wrote in this iteration. A bucket's
         alignment padding (zeros, in no grad) times an ``inv_scale`` that is not finite (a
         scale of 0, NaN, or 2**-128 and below, where its float32 reciprocal overflows) becomes
-        NaN, and every later iteration would find it: ``update()`` zeroes the padding again
-        (:meth:`_rezero_written_padding`), unless the plain route's host read saw no
-        overflow (then ``inv_scale`` was finite and the padding is still zero: no launch)."""
+        NaN, and every later iteration would find it. The plain route's host read decides:
+        no overflow, ``inv_scale`` was finite and the padding is still zero (no launch); an
+        overflow, the padding is zeroed again there. Otherwise ``update()`` zeroes it
+        (:meth:`_rezero_written_padding`)."""
         written = [(group.grads[0], group.padding) for group in groups
                    if group.padding is not None]
         if written:
@@ -503,9 +506,11 @@ class GradScaler(ScalerStateMixin):
         agreed = self._agree_found_inf(optimizer_state)
         span, index = self._host_read_span(optimizer_state, agreed)
         values = span.tolist()  # the one host sync of the plain route, as torch's item()
+        written = optimizer_state.pop("written_padding", ())  # no overflow: still zero
         if not values[index]:
-            optimizer_state.pop("written_padding", None)  # no overflow: padding still zero
             return False
+        for buffer, padding in written:  # now, not in update(): its state is the same each step
+            buffer.index_fill_(0, padding, 0)
         self._warn_if_underflowed(values[0])
         return True
 
