@@ -4,6 +4,7 @@ of the GPU scripts must list failed tests in its summary (an ``-r`` option keeps
 
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,33 +17,35 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("python") is None,
                                 reason="needs bash, and python on PATH (as gpu_all.sh)")
 
-LIMIT_S = 10  # pytest's start and the two quick tests fit well inside it, also under load
-# (in file order: the inner run blocks pytest-randomly, which would run the sleeper first)
-_SLOW_SUITE = """
-import time
+LIMIT_S = 600  # never reached: the suite's last test interrupts itself, as the limit would
+# (in file order: the inner run blocks pytest-randomly, which would run the interrupter first)
+_INTERRUPTED_SUITE = """
+import os, signal, time
 def test_passes(): pass
 def test_fails(): assert 1 == 2
-def test_runs_past_the_limit(): time.sleep(120)
+def test_is_cut():  # the SIGINT that _run_limited.py sends its command's group at the limit
+    os.killpg(os.getpgrp(), signal.SIGINT)
+    time.sleep(60)
 """
 
 
-def test_a_part_cut_at_its_limit_keeps_its_failures_counts_and_junit_xml(tmp_path):
-    suite = tmp_path / "test_slow_suite.py"
-    suite.write_text(_SLOW_SUITE)
+def test_a_part_cut_by_sigint_keeps_its_failures_counts_and_junit_xml(tmp_path):
+    """A part whose pytest gets the limit's SIGINT mid-run still leaves, in the summary, its
+    exit status, the counts so far and the failed tests, and its junit XML."""
+    suite = tmp_path / "test_cut_suite.py"
+    suite.write_text(_INTERRUPTED_SUITE)
     out = tmp_path / "out"
     out.mkdir()
     script = (f'out={out}; summary=$out/summary.txt; source benchmarks/_run_part.sh; '
               f'run_part demo {LIMIT_S} {sys.executable} -m pytest -q -rfEs -p no:cacheprovider '
               f'-p no:randomly {suite} '
               f'--junitxml=$out/demo.xml')
-    start = time.monotonic()
     done = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=300)
     assert done.returncode == 0, done.stderr  # a failing part does not stop the next
-    assert time.monotonic() - start < LIMIT_S + 25  # cut at its limit, not after 120 s
     summary = (out / "summary.txt").read_text()
-    assert re.search(rf"^\[demo\] exit 124 after \d+ s \(limit {LIMIT_S} s\): 1 failed, 1 passed", summary,
-                     re.M), summary
+    assert re.search(rf"^\[demo\] exit 2 after \d+ s \(limit {LIMIT_S} s\): 1 failed, 1 passed",
+                     summary, re.M), summary
     assert "FAILED" in summary and "test_fails" in summary, summary
     assert 'tests="' in (out / "demo.xml").read_text()
 
@@ -67,33 +70,59 @@ def _run_limited():
 
 
 _COUNT_SIGINTS = """
-import signal, time
+import pathlib, signal, sys, time
 seen = []
-signal.signal(signal.SIGINT, lambda *_: seen.append(time.monotonic()))
-while not seen or time.monotonic() - seen[0] < 1.5:  # 1.5 s more after the first
+signal.signal(signal.SIGINT, lambda *_: seen.append(1))
+pathlib.Path(sys.argv[1]).touch()  # ready: the handler is set
+while not seen:
     time.sleep(0.001)
+time.sleep(1.5)  # a second SIGINT would come within this
 print(len(seen))
 """
 
+_IGNORES_SIGINT = """
+import pathlib, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+pathlib.Path(sys.argv[1]).touch()
+while True:
+    time.sleep(1)
+"""
 
-def test_the_limit_sends_one_sigint_to_the_whole_group_and_exits_124(tmp_path, capfd):
+
+def _started(tmp_path, source: str, shell: bool = False):
+    """A process running ``source`` in a group of its own (as ``run_limited`` starts its
+    command), once it has set its signal handling."""
+    script, ready = tmp_path / "child.py", tmp_path / "ready"
+    script.write_text(source)
+    command = [sys.executable, str(script), str(ready)]
+    if shell:  # a shell and its python: two processes of the group
+        command = ["bash", "-c", " ".join(command) + "; true"]
+    proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, text=True)
+    while not ready.exists():
+        assert proc.poll() is None, "the child exited before it was ready"
+        time.sleep(0.01)
+    return proc
+
+
+def test_the_stop_sends_one_sigint_to_the_whole_group(tmp_path):
     """Each process of the command's group (here a shell and its python) gets exactly one
-    SIGINT at the limit; coreutils' timeout sends the command two."""
-    script = tmp_path / "count.py"
-    script.write_text(_COUNT_SIGINTS)
-    status = _run_limited().run_limited(3, ["bash", "-c", f"{sys.executable} {script}; true"])
-    assert status == 124
-    assert capfd.readouterr().out.split() == ["1"]
+    SIGINT when the limit stops it; coreutils' timeout sends the command two."""
+    proc = _started(tmp_path, _COUNT_SIGINTS, shell=True)
+    _run_limited()._stop(proc)
+    assert proc.stdout.read().split() == ["1"]
 
 
-def test_a_command_that_ignores_sigint_is_killed_after_the_grace(monkeypatch):
+def test_a_command_past_its_limit_exits_124():
+    assert _run_limited().run_limited(0.5, [sys.executable, "-c",
+                                            "import time; time.sleep(600)"]) == 124
+
+
+def test_a_command_that_ignores_sigint_is_killed_after_the_grace(tmp_path, monkeypatch):
     module = _run_limited()
     monkeypatch.setattr(module, "GRACE_S", 1)
-    start = time.monotonic()
-    status = module.run_limited(1, [sys.executable, "-c", "import signal, time; "
-                                    "signal.signal(signal.SIGINT, signal.SIG_IGN); "
-                                    "time.sleep(60)"])
-    assert status == 124 and time.monotonic() - start < 30
+    proc = _started(tmp_path, _IGNORES_SIGINT)
+    module._stop(proc)
+    assert proc.returncode == -signal.SIGKILL
 
 
 def test_a_command_within_its_limit_keeps_its_status():

@@ -1,19 +1,18 @@
-"""Launching a compiled kernel again without Triton's per-call binder.
-
-``kernel[grid](*args)`` works out on every call what its arguments specialise (each pointer's
-and integer's 16-divisibility, dtypes, constexprs), builds and hashes a cache key, checks the
-kernel's globals and only then calls the compiled kernel's launcher: host microseconds per
-launch, which a scaler pays every step. :func:`launch` remembers the compiled kernel of a
-launch by exactly what decides its specialisation, the current device and every argument
-(each tensor's address and dtype, every other value as it is), and when the same arguments
-come again (a training loop's steady state: the same buckets, tables and state buffers) calls
-that compiled kernel's launcher itself, as ``JITFunction.run`` ends (triton 3.4 to 3.9):
-``kernel.run(grid..., stream, kernel.function, kernel.packed_metadata, launch_metadata,
-enter_hook, exit_hook, *args)``, but with each tensor argument given as its address (already
-read for the key), which the compiled launcher takes as it is: no ``data_ptr`` call and no
-``cuPointerGetAttribute`` per tensor (as triton 3.6's to 3.9's launchers take them); and the
-launch hooks and their metadata (made from the tensors, as Triton
-makes it) passed only when a hook is set, not Triton's empty hook chains and a dict per
+"""Launching a compiled kernel again without Triton's per-call binder. ``kernel[grid](*args)``
+works out on every call what its arguments specialise (each pointer's and integer's
+16-divisibility, dtypes, constexprs), builds and hashes a cache key, checks the kernel's
+globals and only then calls the compiled kernel's launcher: host microseconds per launch,
+which a scaler pays every step. :func:`launch` remembers the compiled kernel of a launch by
+what decides its specialisation, the current device and every argument (each tensor's dtype
+and address modulo 16, the alignment Triton specialises a pointer on; every other value as it
+is), and when such arguments come again (a training loop's steady state, grads at new
+addresses included) calls that compiled kernel's launcher itself, as ``JITFunction.run`` ends
+(triton 3.4 to 3.9): ``kernel.run(grid..., stream, kernel.function, kernel.packed_metadata,
+launch_metadata, enter_hook, exit_hook, *args)``, but with each tensor argument given as its
+address (already read for the key), which the compiled launcher takes as it is: no
+``data_ptr`` call and no ``cuPointerGetAttribute`` per tensor (as triton 3.6's to 3.9's
+launchers take them); and the launch hooks and their metadata (made from the tensors, as
+Triton makes it) passed only when a hook is set, not Triton's empty hook chains and a dict per
 launch. Any other launch goes through ``kernel[grid]``.
 
 Limits: Triton's ``pre_run_hooks`` do not run on the direct path, and knobs that change
@@ -35,6 +34,7 @@ own ops would use.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import OrderedDict
 
@@ -114,14 +114,16 @@ def _reusable(compiled) -> bool:
 
 _DATA_PTR = torch.Tensor.data_ptr
 _DTYPE = operator.attrgetter("dtype")
+_FIFTEEN = itertools.repeat(15)  # endless: one object for every key
 
 
 def _key(device: int, addresses: tuple[int, ...], tensors: tuple, scalars: tuple,
          constexprs: dict) -> tuple:
-    """All that decides a launch's specialisation: the device, each tensor's address
-    (``addresses``) and dtype, every other argument as it is (C-level passes: ~1.5 us for
-    seven tensors)."""
-    return (device, *scalars, *constexprs.values(), *addresses, *map(_DTYPE, tensors))
+    """All that decides a launch's specialisation: the device, each tensor's address modulo
+    16 (Triton specialises a pointer on its 16-byte alignment alone, so grads at new
+    addresses launch as before) and dtype, every other argument as it is (C-level passes)."""
+    return (device, *scalars, *constexprs.values(), *map(operator.and_, addresses, _FIFTEEN),
+            *map(_DTYPE, tensors))
 
 
 def _current_device() -> int:

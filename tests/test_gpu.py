@@ -134,6 +134,35 @@ def test_direct_launches_keep_torchs_training_run(cuda, monkeypatch, fused, buck
     assert len(direct) >= 29  # at least the update of each of the 30 steps but the first
 
 
+def test_grads_at_new_addresses_launch_directly(cuda, monkeypatch):
+    """kernels/launcher.py keys a launch on what Triton specialises (alignment, dtypes,
+    values), not on addresses: grads of the sizes seen before at new, aligned addresses
+    launch through the compiled launcher, and are unscaled as torch's op unscales them."""
+    from triton_scaler.kernels import launcher
+
+    monkeypatch.setattr(launcher, "DIRECT", True)
+    launcher.clear()
+    direct = []
+    run = launcher._run
+    monkeypatch.setattr(launcher, "_run", lambda *args: (direct.append(args[1]), run(*args)))
+    inv = torch.full((), 0.5, device=cuda)
+    keep = []
+    for step in range(3):
+        keep.append(torch.empty(4096 * (step + 1), device=cuda))  # the next grads lie elsewhere
+        grads = [torch.randn(n, device=cuda) for n in (1000, 77, 5000)]
+        grads[1][76] = math.inf
+        expected = [g.clone() for g in grads]
+        found, torch_found = torch.zeros((), device=cuda), torch.zeros((), device=cuda)
+        torch._amp_foreach_non_finite_check_and_unscale_(expected, torch_found, inv)
+        before = len(direct)
+        ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")
+        assert_all_same(grads, expected)
+        assert torch.equal(found, torch_found)
+        if step:
+            assert len(direct) == before + 1  # the unscale launch: the compiled launcher's
+    launcher.clear()
+
+
 def test_fused_route_never_synchronises(cuda):
     model = torch.nn.Linear(64, 64).to(cuda)
     opt = torch.optim.AdamW(model.parameters(), fused=True)

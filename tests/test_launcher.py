@@ -145,12 +145,23 @@ def test_the_compiled_launcher_takes_int_pointers_and_no_hooks():
     assert any(calls), "no launch hook call found in triton's CUDA launcher"
 
 
-@pytest.mark.parametrize("change", ["address", "dtype", "int", "constexpr", "device"])
+def test_a_launch_at_a_new_address_with_the_same_alignment_is_direct(direct):
+    """Triton specialises a pointer on its 16-byte alignment alone: grads at new addresses
+    reuse the compiled kernel, each launch passing its own address."""
+    kernel, x = _Kernel(), torch.zeros(64)
+    _launch(kernel, x)
+    _launch(kernel, x[4:])  # 16 bytes further
+    _launch(kernel, x[32:])
+    assert len(kernel.launches) == 1
+    assert [run[9] for run in kernel.runs] == [x[4:].data_ptr(), x[32:].data_ptr()]
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "int", "constexpr", "device"])
 def test_any_other_launch_goes_through_triton(direct, monkeypatch, change):
     kernel, x = _Kernel(), torch.zeros(8)
     _launch(kernel, x)
-    if change == "address":
-        _launch(kernel, x[4:])
+    if change == "alignment":
+        _launch(kernel, x[1:])  # 4 bytes further: no longer 16-byte aligned
     elif change == "dtype":
         _launch(kernel, x.view(torch.int32))
     elif change == "int":
@@ -206,20 +217,20 @@ def test_without_knobs_every_launch_goes_through_triton(monkeypatch):
 def test_the_oldest_launches_are_forgotten(direct):
     kernel, x = _Kernel(), torch.zeros(64)
     for i in range(launcher._CAPACITY + 1):
-        _launch(kernel, x[i:])
-    _launch(kernel, x[launcher._CAPACITY:])  # the newest: reused
-    _launch(kernel, x)  # the oldest: forgotten
+        _launch(kernel, x, n=i)
+    _launch(kernel, x, n=launcher._CAPACITY)  # the newest: reused
+    _launch(kernel, x, n=0)  # the oldest: forgotten
     assert len(kernel.launches) == launcher._CAPACITY + 2 and len(kernel.runs) == 1
 
 
 def test_the_least_recently_used_launch_is_forgotten_first(direct):
     """A launch reused every step (the update's) stays remembered while others come and go."""
     kernel, x = _Kernel(), torch.zeros(64)
-    _launch(kernel, x)
+    _launch(kernel, x, n=0)
     for i in range(1, 2 * launcher._CAPACITY):
-        _launch(kernel, x[i:])
-        _launch(kernel, x)  # reused: the most recent again
-    assert len(kernel.launches) == 2 * launcher._CAPACITY  # x once, and each x[i:]
+        _launch(kernel, x, n=i)
+        _launch(kernel, x, n=0)  # reused: the most recent again
+    assert len(kernel.launches) == 2 * launcher._CAPACITY  # n=0 once, and each other n
     assert len(kernel.runs) == 2 * launcher._CAPACITY - 1  # x every other time
 
 

@@ -178,13 +178,12 @@ def test_a_gapped_grad_in_one_dtype_keeps_the_other_dtypes_launches_unstored(tri
         if call == 3:
             gapped[-1] = math.nan
         assert _unscale_as_torch([gapped, half]) == (call == 3)
-    assert plans == [1, 1] * 4 and _plan_store.count("ops") == 0
+    assert plans == [1, 1] * 4
 
 
 def test_without_tensor_guards_no_stored_plan_is_launched(triton_device, plans, monkeypatch):
-    """A torch without ``TensorGuards`` (``tensor_guards`` gives None): the second call at the
-    same addresses forgets the first's plans, the third stores them again (without a guard,
-    never launched from), and every call plans."""
+    """A torch without ``TensorGuards`` (``tensor_guards`` gives None): no stored plan is
+    launched from; every call plans, and unscales as torch's op."""
     monkeypatch.setattr(_plan_store, "tensor_guards", lambda grads: None)
     grads = [torch.empty(n, device=triton_device) for n in (7, 4099)]
     for call in range(4):
@@ -192,7 +191,6 @@ def test_without_tensor_guards_no_stored_plan_is_launched(triton_device, plans, 
         if call == 3:
             grads[0][0] = -math.inf
         assert _unscale_as_torch(grads) == (call == 3)
-        assert _plan_store.count("ops") == (call % 2 == 0)
     assert plans == [2] * 4
 
 
@@ -220,5 +218,4 @@ def test_the_store_keeps_the_most_recent_grad_lists(triton_device, plans, n_list
         for k, grads in enumerate(lists):
             _fill(grads, seed=10 * call + k)
             _unscale_as_torch(grads)
-    assert _plan_store.count("ops") == 8
     assert len(plans) == (2 * 8 if n_lists == 8 else 3 * 9)

@@ -25,7 +25,7 @@ def _own_code(wrapper: Callable[..., Any], fn: Callable[..., Any]) -> Callable[.
     frames per code object, so one shared wrapper code would hold every decorated call's
     entries in one cache (recompiling as calls alternate, up to its size limit)."""
     code = wrapper.__code__
-    names = {"co_name": getattr(fn, "__name__", code.co_name)}
+    names: dict[str, Any] = {"co_name": getattr(fn, "__name__", code.co_name)}
     if hasattr(code, "co_qualname"):  # Python 3.11+
         names["co_qualname"] = getattr(fn, "__qualname__", names["co_name"])
     wrapper.__code__ = code.replace(**names)
