@@ -39,6 +39,8 @@ class MixedPrecision:
 
     def _after_closure(self, model, optimizer):
         trainer = model._trainer
+        for callback in getattr(trainer, "callbacks", ()):
+            callback.on_before_optimizer_step(trainer, model, optimizer)
         model.on_before_optimizer_step(optimizer)
         if model.automatic_optimization:  # Precision._clip_gradients
             model.configure_gradient_clipping(optimizer, trainer.gradient_clip_val,
@@ -74,23 +76,35 @@ def _lightning_stand_in(monkeypatch):
     sys.modules[names[-1]].MixedPrecision = MixedPrecision
 
 
-class Module:
+class _LightningHooks:
+    """A LightningModule's hooks as Lightning defines them (their module says so: the plugin
+    tells Lightning's defaults from a user's hooks by it)."""
+
+    def on_before_optimizer_step(self, optimizer):
+        pass
+
+    def configure_gradient_clipping(self, optimizer, clip_val, algorithm):
+        self._trainer.precision_plugin.clip_gradients(optimizer, clip_val or 0.0,
+                                                      algorithm or "norm")
+
+
+for _hook in vars(_LightningHooks).values():
+    if callable(_hook):
+        _hook.__module__ = "lightning.pytorch.core.hooks"
+
+
+class Module(_LightningHooks):
     """A LightningModule as the precision plugin sees it: its trainer, its optimization mode,
-    the two hooks (``configure_gradient_clipping`` by default clips as the Trainer says)."""
+    the two hooks, Lightning's unless the user's are given."""
 
     def __init__(self, trainer, automatic=True, before_step=None, clipping=None):
         self._trainer, self.automatic_optimization = trainer, automatic
-        self.before_step, self.clipping = before_step, clipping
-
-    def on_before_optimizer_step(self, optimizer):
-        if self.before_step:
-            self.before_step(self._trainer.precision_plugin, optimizer, self.step)
-
-    def configure_gradient_clipping(self, optimizer, clip_val, algorithm):
-        if self.clipping is not None:
-            return self.clipping(self._trainer.precision_plugin, optimizer)
-        self._trainer.precision_plugin.clip_gradients(optimizer, clip_val or 0.0,
-                                                      algorithm or "norm")
+        if before_step is not None:
+            self.on_before_optimizer_step = lambda optimizer: before_step(
+                self._trainer.precision_plugin, optimizer, self.step)
+        if clipping is not None:
+            self.configure_gradient_clipping = lambda optimizer, clip_val, algorithm: clipping(
+                self._trainer.precision_plugin, optimizer)
 
 
 class GradClipAlgorithmType(str, enum.Enum):
@@ -103,7 +117,7 @@ NONE_STEP = 1
 
 
 def _fit(plugin_kind, backend, clip_val=0.5, algorithm=None, manual=False, none_step=True,
-         **hooks):
+         callbacks=(), **hooks):
     """Four steps through ``plugin_kind``'s ``optimizer_step``, the second's ``training_step``
     returning None where ``none_step``, the third overflowing: params, final scale, fused
     clips taken."""
@@ -117,7 +131,7 @@ def _fit(plugin_kind, backend, clip_val=0.5, algorithm=None, manual=False, none_
     plugin = (ti.lightning_precision_plugin("cpu", scaler) if plugin_kind == "plugin"
               else MixedPrecision("16-mixed", "cpu", scaler))
     trainer = SimpleNamespace(gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm,
-                              precision_plugin=plugin)
+                              precision_plugin=plugin, callbacks=list(callbacks))
     module = Module(trainer, automatic=not manual, **hooks)
     gen = torch.Generator().manual_seed(1)
     for step in range(4):
@@ -192,18 +206,16 @@ def clip_by_norm_twice(plugin, optimizer):
     plugin.clip_gradients(optimizer, 0.2, "norm")
 
 
-@pytest.mark.parametrize("hooks, fused_clips", [
-    (dict(clipping=lambda plugin, optimizer: None), 0),
-    (dict(clipping=clip_by_value, none_step=False), 0),
-    (dict(clipping=clip_by_norm_twice), 3)],
+@pytest.mark.parametrize("hooks", [
+    dict(clipping=lambda plugin, optimizer: None),
+    dict(clipping=clip_by_value, none_step=False),
+    dict(clipping=clip_by_norm_twice)],
     ids=["no clip", "clip by value", "clip twice"])
-def test_each_step_unscales_once_when_the_fused_clip_does_not_take_it(backend, hooks,
-                                                                      fused_clips):
-    """A ``configure_gradient_clipping`` that does not clip (unscaled before the step), clips
-    by value (unscaled first) or twice by norm (the second on unscaled grads): Lightning's
-    result."""
+def test_a_users_configure_gradient_clipping_takes_lightnings_route(backend, hooks):
+    """A ``configure_gradient_clipping`` of the user's (it may read the grads) that does not
+    clip, clips by value or twice by norm: Lightning's route (unscaled first), its result."""
     fused = _fit("plugin", backend, **hooks)
-    assert fused[2] == fused_clips
+    assert fused[2] == 0
     _assert_same(fused, _fit("lightning", backend, **hooks), backend)
 
 
@@ -274,3 +286,36 @@ def test_the_default_scaler_is_ours():
     plugin = ti.lightning_precision_plugin("cpu")
     assert type(plugin.scaler) is GradScaler and plugin.scaler._device == "cpu"
     assert isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed"
+
+
+class _Callback:
+    """A Lightning callback with the user's ``on_before_optimizer_step``."""
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.seen.append([p.grad if p.grad is None else p.grad.clone()
+                          for p in _params(optimizer)])
+
+
+@pytest.mark.parametrize("where", ["module", "callback"])
+def test_hooks_before_the_step_see_unscaled_grads_while_clipping_by_norm(backend, where):
+    """Clipping by norm with an ``on_before_optimizer_step`` of the module or of a callback:
+    Lightning's route, the hook seeing the grads unscaled exactly as under Lightning's
+    plugin, and Lightning's parameters."""
+    seen = {"plugin": [], "lightning": []}
+    runs = {}
+    for kind in seen:
+        hooks = (dict(before_step=grads_seen(seen[kind])) if where == "module"
+                 else dict(callbacks=[_Callback(seen[kind])]))
+        runs[kind] = _fit(kind, backend, **hooks)
+    assert runs["plugin"][2] == 0
+    _assert_same(runs["plugin"], runs["lightning"], backend)
+    assert len(seen["plugin"]) == len(seen["lightning"]) == 4
+    for mine, lightnings in zip(*seen.values(), strict=True):
+        for a, b in zip(mine, lightnings, strict=True):
+            if a is None or b is None:
+                assert a is b
+            else:
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

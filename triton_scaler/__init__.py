@@ -10,7 +10,9 @@ from .ops import all_finite
 from .policy import ScalePolicy, ScalerArgumentError
 from .schedulers import SkipAwareScheduler
 from .sharded import ShardedGradScaler
+from .telemetry import GradWatch, SkippedStepsError, WatchReport
 
-__all__ = ["GradScaler", "GradBuckets", "MinScaleReachedError", "ScalePolicy",
-           "ScalerArgumentError", "ShardedGradScaler", "SkipAwareScheduler", "all_finite", "ops"]
+__all__ = ["GradScaler", "GradBuckets", "GradWatch", "MinScaleReachedError", "ScalePolicy",
+           "ScalerArgumentError", "ShardedGradScaler", "SkipAwareScheduler", "SkippedStepsError",
+           "WatchReport", "all_finite", "ops"]
 __version__ = "0.1.0"

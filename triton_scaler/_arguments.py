@@ -11,7 +11,7 @@ import torch
 from .policy import ScalerArgumentError
 
 __all__ = ["ScalerArgumentError", "ScaleOutputsError", "check_device", "check_process_group",
-           "check_outputs"]
+           "check_outputs", "check_optimizer"]
 
 
 def check_device(device: object) -> None:
@@ -38,6 +38,24 @@ def check_process_group(process_group: object) -> None:
         raise TypeError("process_group must be None or a torch.distributed.ProcessGroup (e.g. "
                         f"dist.group.WORLD or dist.new_group(...)); got "
                         f"{type(process_group).__name__} {process_group!r}")
+
+
+def check_optimizer(optimizer: object, call: str) -> None:
+    """``optimizer`` must be an optimizer (anything with ``param_groups``, as torch's scaler
+    reads it: a ``torch.optim.Optimizer`` or a framework's wrapper). ``TypeError`` naming
+    ``call`` and what was passed otherwise, with the usual slips spelled out: a model, or its
+    ``parameters()``."""
+    if hasattr(optimizer, "param_groups"):
+        return
+    if isinstance(optimizer, torch.nn.Module):
+        hint = f"pass the optimizer, not the model (a {type(optimizer).__name__})"
+    elif isinstance(optimizer, torch.Tensor) or isinstance(optimizer, Iterable):
+        hint = ("pass the optimizer, not model.parameters() or a list of parameters "
+                f"(got a {type(optimizer).__name__})")
+    else:
+        hint = f"got {type(optimizer).__name__} {optimizer!r:.80}"
+    raise TypeError(f"{call}() takes the optimizer whose gradients to handle (a "
+                    f"torch.optim.Optimizer, or an object with param_groups): {hint}")
 
 
 class ScaleOutputsError(TypeError, ValueError):

@@ -34,6 +34,14 @@ def _key(key: str) -> str:
     return f"state_dict[{key!r}]"
 
 
+def _number_of(value: Any) -> Any:
+    """A 0-d tensor as its Python number (torch's ``load_state_dict`` fills the scale from
+    one, so such checkpoints exist: one host read each); any other value as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        return value.item()
+    return value
+
+
 def _policy_field(field: str) -> Any:  # a property; Any: torch types those it replaces as numbers
     """torch's attribute names (``_growth_factor`` ...) as views of the policy; assigning one
     (torch's own ``__init__`` does) validates and swaps in a new policy."""
@@ -74,6 +82,7 @@ class ScalerStateMixin(torch.amp.GradScaler):
         self._params_t: torch.Tensor | None = None
         self._flags: torch.Tensor | None = None  # the buffer's found_inf part, a view
         self._found_slots: list[torch.Tensor] = []
+        self._watch: Any = None  # a GradWatch (telemetry.py) while one is attached
         self._host_spans: list[torch.Tensor] = []  # [scale, flags...][:i + 1] for each i
         self._slots_taken = 0
         self._warned_underflow = False
@@ -342,7 +351,9 @@ class ScalerStateMixin(torch.amp.GradScaler):
                 untouched.
 
         .. note:: Does not synchronise (the device state is filled in place), except that a
-            dict without ``_hysteresis_tracker`` (torch's) reads this scaler's tracker once.
+            dict without ``_hysteresis_tracker`` (torch's) reads this scaler's tracker once,
+            and a value saved as a 0-d tensor (torch's scaler loads such a ``scale``) is read
+            once.
         """
         if not self._enabled:
             return
@@ -355,6 +366,7 @@ class ScalerStateMixin(torch.amp.GradScaler):
         if missing:
             raise KeyError(f"state_dict lacks {missing}; a GradScaler state_dict has the keys "
                            f"{list(TORCH_KEYS)} (and optionally {list(EXTENSION_KEYS)})")
+        state_dict = {key: _number_of(value) for key, value in state_dict.items()}
         settings = {f: state_dict[f] for f in self._policy.state_items() if f in state_dict}
         policy = ScalePolicy.create(settings, name=_key, base=self._policy)
         scale = check_scale_value(_key("scale"), state_dict["scale"], policy)

@@ -46,6 +46,11 @@ class GradBuckets:
         if on_detach not in ("reattach", "warn"):
             raise ValueError(f"on_detach must be 'reattach' or 'warn'; got {on_detach!r}")
         optimizer: torch.optim.Optimizer | None = None
+        if isinstance(optimizer_or_params, torch.nn.Module):
+            raise TypeError(
+                "GradBuckets takes an optimizer (or the parameters it steps), not a model: "
+                f"pass the optimizer, e.g. GradBuckets(optimizer); got a "
+                f"{type(optimizer_or_params).__name__}")
         if isinstance(optimizer_or_params, torch.optim.Optimizer):
             optimizer = optimizer_or_params
             params = [p for g in optimizer.param_groups for p in g["params"]]

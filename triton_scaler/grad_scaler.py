@@ -21,7 +21,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import reference
-from ._arguments import check_device, check_outputs, check_process_group
+from ._arguments import check_device, check_optimizer, check_outputs, check_process_group
 from ._backend import Backend, check_backend, resolve_backend
 from ._bucket import attach_bucket_grads, buckets_of
 from ._clip import check_clip_arguments, clip_unscaled, fused_clip, raise_nonfinite
@@ -33,6 +33,7 @@ from ._state import FOUND_INF_SLOTS, ScalerStateMixin
 from ._step import step_takes_grad_scaler
 from ._warn import warn_at_caller
 from .policy import ScalePolicy, check_scale_value
+from .telemetry import GradWatch
 
 
 def _can_trace(scaler: GradScaler, name: str, args: tuple, kwargs: dict) -> bool:
@@ -46,7 +47,8 @@ def _can_trace(scaler: GradScaler, name: str, args: tuple, kwargs: dict) -> bool
     backend (the eager clip reads a bucket's buffer in one launch, whose norm partials a
     traced loop over the grads would not reproduce bit for bit)."""
     if not scaler._traceable or scaler._process_group is not None or \
-            scaler._policy.raise_at_min_scale or scaler._overrides_unscale_grads():
+            scaler._policy.raise_at_min_scale or scaler._overrides_unscale_grads() or \
+            scaler._watch is not None:
         return False
     if name == "update":
         return True
@@ -86,6 +88,11 @@ def _plain_grads(optimizer: torch.optim.Optimizer) -> bool:
             if grad is not None and (type(grad) is not torch.Tensor or grad.is_sparse):
                 return False
     return True
+
+
+def _cuda_definitely_unavailable() -> bool:
+    """torch's own test for its "CUDA is not available" warning (no CUDA, no torch_xla)."""
+    return torch.cuda.amp.common.amp_definitely_not_available()
 
 
 def _has_grads(optimizer: torch.optim.Optimizer) -> bool:
@@ -211,6 +218,13 @@ class GradScaler(ScalerStateMixin):
         check_process_group(process_group)
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool; got {type(enabled).__name__} {enabled!r}")
+        if enabled and device == "cuda" and _cuda_definitely_unavailable():
+            warn_at_caller(
+                "triton_scaler.GradScaler('cuda') is enabled, but CUDA is not available: the "
+                "scaler is disabled (scale() returns its outputs unchanged, step() steps "
+                "without unscaling). Pass device='cpu' to scale losses under CPU autocast, or "
+                "enabled=False to say so.", UserWarning)
+            enabled = False
         super().__init__(device, init_scale, self._policy.growth_factor,
                          self._policy.backoff_factor, self._policy.growth_interval, enabled)
         self._backend = backend
@@ -330,11 +344,14 @@ class GradScaler(ScalerStateMixin):
 
         .. note:: Does not synchronise with the host.
         """
+        check_optimizer(optimizer, "unscale_")
         if not self._enabled:
             if buckets_of(optimizer):
                 attach_bucket_grads(optimizer)
             return
         state = self._ready_to_unscale(optimizer, "unscale_")
+        if self._watch is not None:
+            self._watch._observe(optimizer, reference.inv_scale_of(self._scale))
         found_inf = self._found_inf_flag(state)
         if self._overrides_unscale_grads():  # as torch: its inv_scale, through the override
             per_device = self._unscale_grads_(optimizer, reference.inv_scale_of(self._scale),
@@ -354,7 +371,10 @@ class GradScaler(ScalerStateMixin):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update().")
+                "unscale_() has already been called on this optimizer since the last update()."
+                + (" clip_grad_norm_() unscales the grads (it counts as this iteration's "
+                   "unscale_()): call one of the two per optimizer and iteration."
+                   if state.get("unscaled_by_clip") else ""))
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         return state
@@ -364,6 +384,8 @@ class GradScaler(ScalerStateMixin):
         """Read-only inf/NaN check of the optimizer's grads (the fused-optimizer route)."""
         self._check_state("_check_inf_per_device")
         state = self._per_optimizer_states[id(optimizer)]
+        if self._watch is not None:
+            self._watch._observe(optimizer, reference.inv_scale_of(self._scale))
         found_inf = self._found_inf_flag(state)
         if self._overrides_unscale_grads():  # as torch: an unscale by 1.0 through the override
             ones = torch.ones((), dtype=torch.float32, device=self._scale.device)
@@ -401,6 +423,7 @@ class GradScaler(ScalerStateMixin):
         .. note:: Plain optimizers: one host sync (the flag read torch also makes). Fused
             optimizers: none.
         """
+        check_optimizer(optimizer, "step")
         if not self._enabled:
             return _disabled_step(optimizer, args, kwargs)
         if "closure" in kwargs:
@@ -564,6 +587,8 @@ class GradScaler(ScalerStateMixin):
                 # rare (a ninth optimizer, several devices): fold it into the last flag
                 extra.copy_(torch.maximum(extra, (agreed != 0).float()))
         policy = self._policy
+        if self._watch is not None:  # the overflow and the scale it came at
+            self._watch._record_update((flags != 0).any(), policy.skip_on_overflow, scale)
         at_min_scale = policy.dynamic and policy.raise_at_min_scale \
             and self._backs_off_at_min_scale(flags)
         # One launch: combine the flags, record the skip, update the scale, zero the flags.
@@ -610,6 +635,35 @@ class GradScaler(ScalerStateMixin):
         if self._hysteresis_tracker_t is not None:
             backs_off = backs_off & (self._hysteresis_tracker_t <= 1)
         return bool((backs_off & (self._scale <= self._policy.min_scale)).item())
+
+    # ------------------------------------------------------------------ telemetry
+    def watch(self, model: Any, *, max_consecutive_skips: int | None = None,
+              check_every: int | None = None) -> GradWatch:
+        """Watch the gradients of ``model``'s parameters: per-parameter norm, amax and inf /
+        NaN counts of the unscaled gradients, overflows named by parameter, and the run of
+        skipped steps, recorded by this scaler's own calls (see docs/telemetry.md).
+
+        Args:
+            model: an ``nn.Module``, or ``(name, parameter)`` pairs (``named_parameters()``).
+            max_consecutive_skips: raise :class:`SkippedStepsError` (from
+                :meth:`GradWatch.report`) when more steps than this were skipped in a row.
+            check_every: also check every this many ``update()`` calls (one host read then).
+
+        Returns:
+            The :class:`GradWatch`; :meth:`GradWatch.report` reads it.
+
+        Raises:
+            TypeError: ``model`` has no named parameters.
+            RuntimeError: this scaler already has a watch (``close()`` it first).
+
+        .. note:: Does not synchronise with the host; nor do the calls it watches.
+        """
+        if self._watch is not None:
+            raise RuntimeError("this scaler already has a watch; call its close() before "
+                               "watching again")
+        watch = GradWatch(self, model, max_consecutive_skips, check_every)
+        self._watch = watch
+        return watch
 
     # ------------------------------------------------------------------ clipping
     @traced_when(_can_trace)
@@ -658,6 +712,7 @@ class GradScaler(ScalerStateMixin):
         .. note:: Does not synchronise with the host, except ``error_if_nonfinite=True``
             (one read).
         """
+        check_optimizer(optimizer, "clip_grad_norm_")
         max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
         if not isinstance(error_if_nonfinite, bool):
             raise TypeError(f"error_if_nonfinite must be a bool; got {error_if_nonfinite!r}")
@@ -679,6 +734,7 @@ class GradScaler(ScalerStateMixin):
         if norm_type not in (2.0, math.inf) or (not params and shard_group is None) or \
                 self._overrides_unscale_grads():  # a subclass's own unscale: through it
             self.unscale_(optimizer)  # no grads: as torch, unscale_ records none, norm 0
+            self._per_optimizer_states[id(optimizer)]["unscaled_by_clip"] = True
             device = self._scale.device
             if shard_group is None:
                 total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
@@ -687,6 +743,8 @@ class GradScaler(ScalerStateMixin):
             return clip_unscaled(params, max_norm, norm_type, shard_group, device,
                                  error_if_nonfinite)
         state = self._ready_to_unscale(optimizer, "unscale_")  # torch's unscale_ errors
+        if self._watch is not None:
+            self._watch._observe(optimizer, reference.inv_scale_of(self._scale))
         found_for = PerDevice(self._found_inf_flag(state))
         with torch.no_grad():
             groups, mesh_groups = collect_grads(optimizer, self._unscales_fp16, self._backend,
@@ -701,6 +759,7 @@ class GradScaler(ScalerStateMixin):
             found_for.get(self._scale.device)  # no grads here: join the agreement with 0
         state["found_inf_per_device"] = found_for.per_device
         state["stage"] = OptState.UNSCALED
+        state["unscaled_by_clip"] = True  # named in a later unscale_'s error
         if found_for.per_device:  # none when no grad remained (GradBuckets: none received)
             self._agree_found_inf(state)
         if nonfinite:  # as torch: unscaled (recorded as unscale_), not clipped

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ._warn import warn_at_caller
 from .grad_scaler import GradScaler
 
 
@@ -36,21 +37,99 @@ def accelerate_clip_grad_norm_(accelerator: Any, parameters: Any, max_norm: floa
                                norm_type: float = 2.0) -> torch.Tensor:
     """Drop-in for ``accelerator.clip_grad_norm_(parameters, max_norm, norm_type)``.
 
-    Fused (``scaler.clip_grad_norm_``) when ``accelerator.scaler`` is a
-    :class:`triton_scaler.GradScaler`, the run is not FSDP / DeepSpeed / XLA, and one prepared
-    optimizer holds exactly ``parameters``' grads; otherwise Accelerate's own method. Install
-    the scaler before ``prepare``: ``accelerator.scaler = triton_scaler.GradScaler("cuda")``.
+    Fused (``scaler.clip_grad_norm_``) when ``accelerator.scaler`` is an enabled
+    :class:`triton_scaler.GradScaler`, Accelerate runs its native AMP (``native_amp``), the run
+    is not FSDP / DeepSpeed / XLA / Megatron, and one prepared optimizer holds exactly
+    ``parameters``' grads. Otherwise Accelerate's own method, with a warning naming why (once
+    per call site, Python's default): where ``native_amp`` is off, Accelerate's method does
+    not unscale, so it clips the scaled grads and returns their scaled norm. Install the
+    scaler before ``prepare``: ``accelerator.scaler = triton_scaler.GradScaler("cuda")`` (or
+    :func:`install_in_accelerator`).
+
+    Returns:
+        The total norm, as Accelerate's method returns it.
     """
     parameters = list(parameters)
-    scaler = getattr(accelerator, "scaler", None)
-    plain_run = getattr(accelerator.distributed_type, "value", "") in ("NO", "MULTI_GPU",
-                                                                        "MULTI_CPU")
-    if isinstance(scaler, GradScaler) and scaler.is_enabled() and plain_run \
-            and getattr(accelerator, "native_amp", False) and len(accelerator._optimizers) == 1:
+    reason = _accelerate_fallback_reason(accelerator)
+    if reason is None:
         optimizer = _inner_optimizer(accelerator._optimizers[0])
         if _covers_exactly(optimizer, parameters):
+            scaler = accelerator.scaler
             return scaler.clip_grad_norm_(optimizer, max_norm, norm_type, sharded=False)
-    return accelerator.clip_grad_norm_(parameters, max_norm, norm_type)
+        reason = "the prepared optimizer does not hold exactly these parameters' grads"
+    warn_at_caller(f"accelerate_clip_grad_norm_ takes Accelerate's own clip_grad_norm_, not the "
+                   f"fused clip: {reason}", UserWarning)
+    # the class's method: an instance attribute may be this helper (install_in_accelerator)
+    return type(accelerator).clip_grad_norm_(accelerator, parameters, max_norm, norm_type)
+
+
+def _accelerate_fallback_reason(accelerator: Any) -> str | None:
+    """Why the fused clip cannot stand in for Accelerate's, or None when it can."""
+    scaler = getattr(accelerator, "scaler", None)
+    if not isinstance(scaler, GradScaler):
+        return (f"accelerator.scaler is {type(scaler).__name__ if scaler is not None else None}, "
+                "not a triton_scaler.GradScaler (set it before prepare())")
+    if not scaler.is_enabled():
+        return "the scaler is disabled"
+    if not getattr(accelerator, "native_amp", False):
+        return ("accelerator.native_amp is False (e.g. fp16 on CPU): Accelerate then neither "
+                "unscales nor expects a scaler, so its clip sees the grads still scaled")
+    kind = getattr(accelerator.distributed_type, "value", "")
+    if kind not in ("NO", "MULTI_GPU", "MULTI_CPU"):
+        return f"the run is {kind} (its engine clips its own gradients)"
+    if len(accelerator._optimizers) != 1:
+        return f"{len(accelerator._optimizers)} optimizers were prepared, not one"
+    return None
+
+
+def install_in_accelerator(accelerator: Any, scaler: Any = None,
+                           fused_clip: bool = True) -> Any:
+    """Make an fp16 ``accelerator`` scale with a :class:`triton_scaler.GradScaler`; call it
+    before ``accelerator.prepare`` (the prepared optimizers take the scaler then). This is the
+    hook for ``transformers.Trainer`` too (docs/integrations.md).
+
+    Accelerate runs its native AMP with the installed scaler: on CUDA it already does; on CPU,
+    where Accelerate makes no scaler for fp16 and runs without autocast, this turns on fp16
+    autocast there, as on CUDA.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` with ``mixed_precision="fp16"``.
+        scaler: the scaler to install; by default a :class:`triton_scaler.GradScaler` on the
+            accelerator's device type with the settings of the scaler Accelerate made
+            (``GradScalerKwargs``), or torch's defaults where it made none.
+        fused_clip: route ``accelerator.clip_grad_norm_`` (and so ``transformers.Trainer``'s
+            clip) through :func:`accelerate_clip_grad_norm_`.
+
+    Returns:
+        The installed scaler.
+
+    Raises:
+        ValueError: the accelerator is not fp16 (bf16 and fp32 need no loss scaling).
+        RuntimeError: ``prepare`` has already wrapped optimizers (they hold the old scaler).
+    """
+    if str(getattr(accelerator, "mixed_precision", "no")) != "fp16":
+        raise ValueError("install_in_accelerator needs Accelerator(mixed_precision='fp16'); got "
+                         f"{getattr(accelerator, 'mixed_precision', None)!r} (bf16 and fp32 "
+                         "need no loss scaling)")
+    if getattr(accelerator, "_optimizers", None):
+        raise RuntimeError("install_in_accelerator must come before accelerator.prepare(): the "
+                           "prepared optimizers hold the scaler they were given")
+    if scaler is None:
+        made = getattr(accelerator, "scaler", None)
+        settings = {}
+        if made is not None:
+            settings = dict(init_scale=made.get_scale(), growth_factor=made.get_growth_factor(),
+                            backoff_factor=made.get_backoff_factor(),
+                            growth_interval=made.get_growth_interval())
+        scaler = GradScaler(accelerator.device.type, **settings)
+    accelerator.scaler = scaler
+    accelerator.native_amp = True
+    if fused_clip:
+        def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0
+                            ) -> torch.Tensor:
+            return accelerate_clip_grad_norm_(accelerator, parameters, max_norm, norm_type)
+        accelerator.clip_grad_norm_ = clip_grad_norm_
+    return scaler
 
 
 def fabric_clip_gradients(fabric: Any, module: Any, optimizer: Any, max_norm: float,
@@ -71,18 +150,49 @@ def fabric_clip_gradients(fabric: Any, module: Any, optimizer: Any, max_norm: fl
                                  error_if_nonfinite=error_if_nonfinite)
 
 
+_LIGHTNING_PACKAGES = ("lightning.", "pytorch_lightning.")
+
+
+def _users_hook(owner: Any, name: str) -> bool:
+    """Whether ``owner.name`` is the user's code, not Lightning's default (an override in a
+    subclass, or a function set on the instance)."""
+    hook = getattr(owner, name, None)
+    function = getattr(hook, "__func__", hook)
+    return hook is not None and not str(getattr(function, "__module__", "")).startswith(
+        _LIGHTNING_PACKAGES)
+
+
+def _hooks_see_grads_before_the_clip(trainer: Any, model: Any) -> bool:
+    """Whether user code runs between Lightning's closure and its clip (and so would see the
+    grads still scaled if the unscale moved into the clip): ``on_before_optimizer_step`` of
+    the module or of a callback, or the module's own ``configure_gradient_clipping``."""
+    if _users_hook(model, "on_before_optimizer_step") or \
+            _users_hook(model, "configure_gradient_clipping"):
+        return True
+    return any(_users_hook(callback, "on_before_optimizer_step")
+               for callback in getattr(trainer, "callbacks", None) or ())
+
+
 def lightning_precision_plugin(device: str = "cuda", scaler: GradScaler | None = None) -> Any:
     """A Lightning Trainer precision plugin (``"16-mixed"``) that unscales with
     :class:`triton_scaler.GradScaler` and, when the Trainer clips by norm
     (``gradient_clip_val`` with the default ``"norm"`` algorithm), unscales and clips in one
     fused call. Use ``Trainer(plugins=[lightning_precision_plugin("cuda")],
-    gradient_clip_val=1.0)``. With clipping by norm, ``on_before_optimizer_step`` and
-    ``configure_gradient_clipping`` see the grads still scaled (the unscale happens inside the
-    clip); without it, and for ``clip_gradients`` called in manual optimization, the plugin
-    behaves exactly as Lightning's ``MixedPrecision``."""
-    from lightning.pytorch.plugins.precision import MixedPrecision
+    gradient_clip_val=1.0)``. Hooks see what they see under Lightning's ``MixedPrecision``:
+    the clip is fused only where no hook of the user's runs between the closure and the clip
+    (``on_before_optimizer_step`` of the module or of a callback, the module's own
+    ``configure_gradient_clipping``); with such a hook, without clipping by norm, and for
+    ``clip_gradients`` called in manual optimization, the plugin behaves exactly as Lightning's
+    ``MixedPrecision`` (unscale, hooks, torch's clip). Lightning refuses
+    ``precision="16-mixed"`` on CPU; this plugin with ``device="cpu"`` runs fp16 autocast
+    there with the scaler."""
+    import importlib
 
-    class FusedClipMixedPrecision(MixedPrecision):
+    # typed as Any: the plugin overrides Lightning's methods by their runtime signatures
+    mixed_precision: Any = importlib.import_module(
+        "lightning.pytorch.plugins.precision").MixedPrecision
+
+    class FusedClipMixedPrecision(mixed_precision):
         #: The optimizer whose unscale Lightning asked for after the closure and the clip by
         #: norm takes over; None outside that window (Lightning's ``_after_closure``).
         _deferred: Any = None
@@ -93,7 +203,8 @@ def lightning_precision_plugin(device: str = "cuda", scaler: GradScaler | None =
             algorithm = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm")
             fused = (trainer is not None and bool(trainer.gradient_clip_val)
                      and algorithm.lower().endswith("norm")
-                     and not getattr(optimizer, "_step_supports_amp_scaling", False))
+                     and not getattr(optimizer, "_step_supports_amp_scaling", False)
+                     and not _hooks_see_grads_before_the_clip(trainer, model))
             if not fused:
                 return super().optimizer_step(optimizer, model, closure, **kwargs)
 

@@ -72,7 +72,8 @@ def check_scale_value(name: str, value: object, policy: ScalePolicy | None = Non
     scale = as_real(name, value)
     if not FP32_TINY <= scale <= FP32_MAX:
         raise ValueError(f"{name} must be a finite number > 0 that float32 holds with a finite "
-                         f"reciprocal, i.e. in [{FP32_TINY!r}, {FP32_MAX!r}]; got {value!r}")
+                         f"reciprocal: in float32's normal range (about 1.2e-38 to 3.4e38, "
+                         f"i.e. [{FP32_TINY!r}, {FP32_MAX!r}]); got {value!r}")
     if policy is not None and not policy.min_scale <= scale <= policy.max_scale:
         raise ValueError(f"{name} must lie in [{bounds('min_scale')}, {bounds('max_scale')}] = "
                          f"[{policy.min_scale!r}, {policy.max_scale!r}]; got {value!r}")

@@ -1,0 +1,384 @@
+"""Gradient telemetry from the scaler's own calls: :meth:`GradScaler.watch` returns a
+:class:`GradWatch`, whose :meth:`~GradWatch.report` gives per-parameter norms, amax and inf /
+NaN counts of the unscaled gradients, the last overflow named by parameter, and the skipped
+steps, with one device-to-host copy. Nothing is read on the host before ``report()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["GradWatch", "WatchReport", "Overflow", "SkippedStepsError"]
+
+_AMAX, _NORM, _INF, _NAN, _SEEN = range(5)  # the columns of a watch's per-parameter stats
+
+
+class SkippedStepsError(RuntimeError):
+    """More than ``max_consecutive_skips`` steps in a row were skipped (the loss scale cannot
+    find a value at which the gradients are finite): raised by :meth:`GradWatch.report`, or
+    by ``update()`` every ``check_every`` updates when that is set."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Overflow:
+    """The last iteration whose gradients had inf or NaN values.
+
+    Attributes:
+        step: the iteration's index since ``watch()`` (the number of ``update()`` calls
+            before it).
+        tensors: ``(name, inf count, NaN count)`` of each watched parameter with non-finite
+            values, the parameter registered last first (for a model: nearest the loss, the
+            likely origin: inf and NaN spread backwards through the graph).
+        scale: the loss scale of that iteration.
+    """
+
+    step: int
+    tensors: list[tuple[str, int, int]]
+    scale: float
+
+    def __str__(self) -> str:
+        if not self.tensors:
+            return (f"overflow at step {self.step} (scale {self.scale:g}): in no watched "
+                    "parameter")
+        lines = [f"overflow at step {self.step} (scale {self.scale:g}), "
+                 f"{len(self.tensors)} parameter(s) with non-finite gradients, nearest the loss "
+                 "first:"]
+        lines += [f"  {name}: {inf} inf, {nan} NaN" for name, inf, nan in self.tensors]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchReport:
+    """What :meth:`GradWatch.report` read: Python numbers only.
+
+    Attributes:
+        step: ``update()`` calls since ``watch()``.
+        norm: per parameter name, the L2 norm of its unscaled gradient before clipping, at
+            the last iteration that unscaled or checked the grads (NaN: never seen; see
+            ``has_grad``).
+        amax: per parameter name, the largest absolute value there (NaN when it had a NaN).
+        nonfinite: per parameter name, ``(inf count, NaN count)`` there.
+        has_grad: per parameter name, whether it had a gradient there.
+        last_overflow: the last iteration with non-finite gradients, or None.
+        scale: the loss scale now.
+        skipped_steps: steps skipped since the scaler was made.
+        consecutive_skips: steps skipped in a row up to now.
+        most_consecutive_skips: the longest run of skipped steps since the last report.
+    """
+
+    step: int
+    norm: dict[str, float]
+    amax: dict[str, float]
+    nonfinite: dict[str, tuple[int, int]]
+    has_grad: dict[str, bool]
+    last_overflow: Overflow | None
+    scale: float
+    skipped_steps: int
+    consecutive_skips: int
+    most_consecutive_skips: int
+
+    @property
+    def total_norm(self) -> float:
+        """The L2 norm of all watched gradients together (those that had one)."""
+        return math.sqrt(sum(n * n for name, n in self.norm.items() if self.has_grad[name]))
+
+    def metrics(self, prefix: str = "", rollup: str | Callable[[str], str] | None = None
+                ) -> dict[str, float]:
+        """A flat ``{name: float}`` for any logger.
+
+        Args:
+            prefix: put before every key, e.g. ``"grad/"``.
+            rollup: None for one entry per parameter; ``"module"`` for one per module (the
+                name up to its last dot); or a function from a parameter name to its group.
+                A group's norm is the L2 norm over its members, its amax their largest, its
+                counts their sums.
+
+        Returns:
+            ``{prefix}{name}/norm``, ``/amax``, ``/inf``, ``/nan`` per parameter or group
+            (those that had a gradient), and ``{prefix}total_norm``, ``scale``,
+            ``skipped_steps``, ``consecutive_skips``, ``nonfinite_params``.
+        """
+        group_of = _group_function(rollup)
+        groups: dict[str, list[float]] = {}
+        for name in self.norm:
+            if not self.has_grad[name]:
+                continue
+            inf, nan = self.nonfinite[name]
+            acc = groups.setdefault(group_of(name), [0.0, 0.0, 0.0, 0.0])
+            acc[0] += self.norm[name] ** 2
+            acc[1] = _nan_max(acc[1], self.amax[name])
+            acc[2] += inf
+            acc[3] += nan
+        out: dict[str, float] = {}
+        for group, (sumsq, amax, infs, nans) in groups.items():
+            out[f"{prefix}{group}/norm"] = math.sqrt(sumsq)
+            out[f"{prefix}{group}/amax"] = amax
+            out[f"{prefix}{group}/inf"] = infs
+            out[f"{prefix}{group}/nan"] = nans
+        out[f"{prefix}total_norm"] = self.total_norm
+        out[f"{prefix}scale"] = self.scale
+        out[f"{prefix}skipped_steps"] = float(self.skipped_steps)
+        out[f"{prefix}consecutive_skips"] = float(self.consecutive_skips)
+        out[f"{prefix}nonfinite_params"] = float(sum(
+            1 for name, (inf, nan) in self.nonfinite.items() if inf or nan))
+        return out
+
+
+def _nan_max(a: float, b: float) -> float:
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+def _group_function(rollup: str | Callable[[str], str] | None) -> Callable[[str], str]:
+    if rollup is None:
+        return lambda name: name
+    if rollup == "module":
+        return lambda name: name.rpartition(".")[0] or name
+    if callable(rollup):
+        return rollup
+    raise ValueError(f"rollup must be None, 'module' or a function of a name; got {rollup!r}")
+
+
+def named_parameters_of(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """``model``'s named parameters that take gradients: an ``nn.Module``, or ``(name,
+    parameter)`` pairs. ``TypeError`` naming ``model`` for anything else."""
+    pairs: list[tuple[str, torch.Tensor]]
+    if isinstance(model, torch.nn.Module):
+        pairs = list(model.named_parameters())
+    elif isinstance(model, Iterable) and not isinstance(model, (str, bytes, torch.Tensor)):
+        pairs = list(model)
+        for i, pair in enumerate(pairs):
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+                    and isinstance(pair[1], torch.Tensor)):
+                raise TypeError(
+                    f"model must be an nn.Module or (name, parameter) pairs, e.g. "
+                    f"model.named_parameters(); item {i} is a {type(pair).__name__} "
+                    "(parameters without names: pass model.named_parameters(), not "
+                    "model.parameters())")
+    else:
+        raise TypeError(f"model must be an nn.Module or (name, parameter) pairs, e.g. "
+                        f"model.named_parameters(); got {type(model).__name__}")
+    pairs = [(name, p) for name, p in pairs if p.requires_grad]
+    if not pairs:
+        raise ValueError("model has no parameters that take gradients: nothing to watch")
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError("model names a parameter twice; names must be unique")
+    return pairs
+
+
+class GradWatch:
+    """Per-parameter gradient statistics from a :class:`triton_scaler.GradScaler`'s own
+    calls. Made by :meth:`GradScaler.watch`; see docs/telemetry.md.
+
+    Each ``unscale_``, ``clip_grad_norm_`` or fused-route ``step`` records, on the device,
+    each watched parameter's unscaled gradient's amax, L2 norm and inf / NaN counts (the
+    values before clipping); each ``update()`` records an overflow and the run of skipped
+    steps. Only :meth:`report` reads them on the host (one copy).
+    """
+
+    def __init__(self, scaler: Any, model: Any, max_consecutive_skips: int | None = None,
+                 check_every: int | None = None) -> None:
+        if max_consecutive_skips is not None and (
+                isinstance(max_consecutive_skips, bool)
+                or not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 0):
+            raise ValueError("max_consecutive_skips must be None or an int >= 0; got "
+                             f"{max_consecutive_skips!r}")
+        if check_every is not None and (isinstance(check_every, bool) or
+                                        not isinstance(check_every, int) or check_every < 1):
+            raise ValueError(f"check_every must be None or an int >= 1; got {check_every!r}")
+        if check_every is not None and max_consecutive_skips is None:
+            raise ValueError("check_every needs max_consecutive_skips")
+        pairs = named_parameters_of(model)
+        self._scaler = scaler
+        self.names: tuple[str, ...] = tuple(name for name, _ in pairs)
+        self.max_consecutive_skips = max_consecutive_skips
+        self.check_every = check_every
+        self._index = {id(p): i for i, (_, p) in enumerate(pairs)}
+        self._params = [p for _, p in pairs]
+        self._state: dict[str, torch.Tensor] | None = None
+        self._seen_any: set[int] | None = set()  # until the first update: which were seen
+        self._updates = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ device state
+    def _device_state(self, device: torch.device) -> dict[str, torch.Tensor]:
+        state = self._state
+        if state is None:
+            n = len(self.names)
+            stats = torch.zeros((n, 5), dtype=torch.float64, device=device)
+            stats[:, _AMAX] = math.nan
+            stats[:, _NORM] = math.nan
+            state = self._state = {
+                "stats": stats,  # amax, norm, inf, nan, seen (float64: exact counts)
+                "overflow": torch.zeros((n, 2), dtype=torch.float64, device=device),
+                # step of the last overflow (-1: none), its scale, iteration, the run of
+                # skipped steps, the longest run since the last report
+                "counters": torch.tensor([-1.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64,
+                                         device=device),
+            }
+        return state
+
+    def _observe(self, optimizer: Any, inv_scale: torch.Tensor) -> None:
+        """Record the stats of the watched grads of ``optimizer``, still scaled, times
+        ``inv_scale`` (the values an unscale by it gives, bit for bit). Device ops only."""
+        index = self._index
+        found: list[int] = []
+        grads: list[torch.Tensor] = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                i = index.get(id(p))
+                if i is not None:
+                    found.append(i)
+                    if p.grad is not None:
+                        grads.append(p.grad)
+        if self._seen_any is not None:
+            self._seen_any.update(found)
+        if not found:
+            return
+        state = self._device_state(inv_scale.device)
+        stats = state["stats"]
+        rows = torch.tensor(found, dtype=torch.int64, device=stats.device)
+        stats.index_fill_(0, rows, 0.0)
+        stats[rows, _AMAX] = math.nan
+        stats[rows, _NORM] = math.nan
+        if not grads:
+            return
+        with_grad = [i for i in found if self._params[i].grad is not None]
+        values = torch.stack([_grad_stats(g, inv_scale) for g in grads])
+        stats[torch.tensor(with_grad, dtype=torch.int64, device=stats.device)] = \
+            values.to(stats.device)
+
+    def _record_update(self, found: torch.Tensor, skips: bool, scale: torch.Tensor) -> None:
+        """Before ``update()`` changes the scale: record this iteration's overflow (``found``,
+        a 0-d device bool: the scaler found inf / NaN; the step is skipped where ``skips``)
+        with ``scale``, and the run of skipped steps. Device ops only, except every
+        ``check_every`` updates (:meth:`report`)."""
+        if self._seen_any is not None:
+            self._warn_unseen()
+        state = self._device_state(scale.device)
+        stats, overflow, counters = state["stats"], state["overflow"], state["counters"]
+        hit = found.to(counters.device).reshape(()) | (stats[:, _INF:_NAN + 1].sum() > 0)
+        overflow.copy_(torch.where(hit, stats[:, _INF:_NAN + 1], overflow))
+        skipped = hit.double() if skips else torch.zeros_like(counters[3])
+        run = (counters[3] + 1) * skipped
+        counters.copy_(torch.stack([
+            torch.where(hit, counters[2], counters[0]),
+            torch.where(hit, scale.to(counters.device, torch.float64).reshape(()), counters[1]),
+            counters[2] + 1, run, torch.maximum(counters[4], run)]))
+        self._updates += 1
+        if self.check_every is not None and self._updates % self.check_every == 0:
+            self.report()  # raises SkippedStepsError past the limit
+
+    def _warn_unseen(self) -> None:
+        """At the first update: warn once about watched parameters no optimizer of the
+        scaler holds (a name that matches nothing the scaler steps)."""
+        seen, self._seen_any = self._seen_any, None
+        assert seen is not None
+        unseen = [name for i, name in enumerate(self.names) if i not in seen]
+        if unseen:
+            from ._warn import warn_at_caller
+
+            shown = ", ".join(unseen[:5]) + (f" and {len(unseen) - 5} more"
+                                             if len(unseen) > 5 else "")
+            warn_at_caller(f"watched parameters that no optimizer stepped by this scaler holds "
+                           f"(their gradients are never seen): {shown}", UserWarning)
+
+    # ------------------------------------------------------------------ host side
+    def report(self) -> WatchReport:
+        """Read the statistics: one device-to-host copy.
+
+        Returns:
+            A :class:`WatchReport`.
+
+        Raises:
+            SkippedStepsError: more than ``max_consecutive_skips`` steps in a row were skipped
+                since the last report (the report's numbers are in the error's ``report``).
+            RuntimeError: the watch was closed.
+
+        .. note:: Synchronises with the host (one copy).
+        """
+        if self._closed:
+            raise RuntimeError("this watch was closed")
+        scaler = self._scaler
+        n = len(self.names)
+        state = self._device_state(scaler._scale.device if scaler._scale is not None
+                                   else torch.device("cpu"))
+        counters = state["counters"]
+        if scaler._scale is not None:
+            assert scaler._skipped_steps_t is not None  # made with the scale
+            extra = torch.stack([scaler._scale.to(counters.device, torch.float64).reshape(()),
+                                 scaler._skipped_steps_t.to(counters.device, torch.float64)
+                                 .reshape(())])
+        else:  # nothing ran yet
+            extra = torch.tensor([scaler.get_scale(), 0.0], dtype=torch.float64,
+                                 device=counters.device)
+        packed = torch.cat([state["stats"].t().reshape(-1), state["overflow"].t().reshape(-1),
+                            counters, extra])
+        values = packed.tolist()  # the one host copy
+        scale_now, skipped = values[-2], int(values[-1])
+        counters[4].fill_(0)  # the longest run of skipped steps: since this report
+        columns = [values[k * n:(k + 1) * n] for k in range(7)]
+        amax, norm, inf, nan, seen, over_inf, over_nan = columns
+        last_step, last_scale, iteration, run, most = values[7 * n:7 * n + 5]
+        names = self.names
+        last_overflow = None
+        if last_step >= 0:
+            tensors = [(names[i], int(over_inf[i]), int(over_nan[i])) for i in reversed(range(n))
+                       if over_inf[i] or over_nan[i]]
+            last_overflow = Overflow(int(last_step), tensors, last_scale)
+        report = WatchReport(
+            step=int(iteration),
+            norm=dict(zip(names, norm)), amax=dict(zip(names, amax)),
+            nonfinite={name: (int(i), int(j)) for name, i, j in zip(names, inf, nan)},
+            has_grad={name: bool(s) for name, s in zip(names, seen)},
+            last_overflow=last_overflow, scale=scale_now, skipped_steps=skipped,
+            consecutive_skips=int(run), most_consecutive_skips=int(most))
+        self._raise_if_too_many_skips(most, report)
+        return report
+
+    def _raise_if_too_many_skips(self, most: float, report: WatchReport) -> None:
+        limit = self.max_consecutive_skips
+        if limit is None or most <= limit:
+            return
+        overflow = report.last_overflow
+        where = (f"; the last overflow (step {overflow.step}) was in: "
+                 + ", ".join(f"{name} ({inf} inf, {nan} NaN)"
+                             for name, inf, nan in overflow.tensors[:8])
+                 if overflow is not None and overflow.tensors else "")
+        error = SkippedStepsError(
+            f"{int(most)} steps in a row were skipped (max_consecutive_skips={limit}); the "
+            f"scale is {report.scale:g}{where}")
+        error.report = report  # type: ignore[attr-defined]
+        raise error
+
+    def close(self) -> None:
+        """Stop watching: the scaler records nothing more, and a new watch can be made."""
+        if not self._closed:
+            self._closed = True
+            self._scaler._watch = None
+
+    def __repr__(self) -> str:
+        return f"GradWatch({len(self.names)} parameters{', closed' if self._closed else ''})"
+
+
+def _grad_stats(grad: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """``[amax, norm, inf count, NaN count, 1]`` of ``grad * inv_scale`` (float64): amax and
+    the counts as torch computes them from the unscaled grad, the norm accumulated in float32
+    (float64 for float64 grads)."""
+    unscaled = grad * inv_scale.to(grad.device)
+    accumulate = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    if unscaled.numel() == 0:
+        amax = torch.zeros((), dtype=torch.float64, device=grad.device)
+        norm = amax
+    else:
+        amax = unscaled.abs().max().double()
+        norm = torch.linalg.vector_norm(unscaled, dtype=accumulate).double()
+    inf = torch.isinf(unscaled).sum().double()
+    nan = torch.isnan(unscaled).sum().double()
+    return torch.stack([amax, norm, inf, nan, torch.ones_like(inf)])
+
