@@ -82,12 +82,18 @@ def _train(ours, backend, compile_backend, kind, buckets, clip):
 CASES = [(cb, kind, buckets, clip) for cb in ("aot_eager", "inductor")
          for kind in ("fused", "foreach", "forloop") for buckets in (False, True)
          for clip in (False, True) if cb == "aot_eager" or clip]
+#: In the default tier: each optimizer route once, buckets and clipping each both ways, and
+#: inductor; the rest of the sweep is the long tier (``-m exhaustive``).
+DEFAULT_TIER = {("aot_eager", "fused", False, False), ("aot_eager", "foreach", True, True),
+                ("aot_eager", "forloop", False, True), ("inductor", "fused", True, True)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compile_backend,kind,buckets,clip", CASES,
-                         ids=[f"{cb}-{k}-{'buckets' if b else 'grads'}-{'clip' if c else 'noclip'}"
-                              for cb, k, b, c in CASES])
+@pytest.mark.parametrize("compile_backend,kind,buckets,clip", [
+    pytest.param(*case, marks=() if case in DEFAULT_TIER else pytest.mark.exhaustive,
+                 id=f"{case[0]}-{case[1]}-{'buckets' if case[2] else 'grads'}-"
+                    f"{'clip' if case[3] else 'noclip'}")
+    for case in CASES])
 def test_compiled_training_follows_torchs_scaler(backend, compile_backend, kind, buckets, clip):
     expected = _train(False, backend, compile_backend, kind, buckets, clip)
     actual = _train(True, backend, compile_backend, kind, buckets, clip)

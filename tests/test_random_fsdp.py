@@ -5,9 +5,12 @@ outcome, the scale, the local parameter, grad and optimizer-state shards equal o
 while an inf / NaN reaches only some ranks' shards; both backends (Triton through the
 interpreter)."""
 
+import pytest
 from _random_fsdp import run_random_fsdp
 from _seeds import seeds, time_bound
 from _spawn import spawned_results
+
+pytestmark = pytest.mark.exhaustive  # the long tier: the engines' own tests are in the default
 
 SEEDS = {"fsdp2": seeds(16), "fsdp1": seeds(10), "ddp": seeds(10)}
 _results: dict = {}

@@ -256,3 +256,24 @@ def test_a_checkpoint_with_a_watch_loads_in_torchs_scaler_and_back(backend):
     again = GradScaler("cpu", backend=backend)
     again.load_state_dict(torchs.state_dict())
     assert again.get_scale() == scaler.get_scale()
+
+
+def test_sharded_gradients_are_refused_clearly():
+    """Per-parameter numbers of sharded gradients need the shards' reductions, not yet made:
+    a scaler with a process group, and DTensor parameters, are refused, not watched wrongly."""
+    import torch.distributed as dist
+    from _util import fake_process_group
+
+    from triton_scaler import ShardedGradScaler
+
+    with fake_process_group(2):
+        scaler = ShardedGradScaler("cpu", process_group=dist.group.WORLD)
+        with pytest.raises(NotImplementedError, match="process_group"):
+            scaler.watch(_model())
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import distribute_tensor
+
+        mesh = init_device_mesh("cpu", (2,))
+        weight = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh))
+        with pytest.raises(NotImplementedError, match=r"'w' is a .*: watching sharded"):
+            GradScaler("cpu").watch([("w", weight)])

@@ -152,6 +152,35 @@ def compare(device: torch.device, steps: int, fused: bool) -> list[str]:
     return differences
 
 
+def show_telemetry(device: torch.device, steps: int = 30) -> None:
+    """A short run with ``scaler.watch(model)``: an inf planted in one layer's gradient at
+    step 20; prints the named overflow report and the last step's per-parameter numbers."""
+    print(f"\n== gradient telemetry: scaler.watch(model), {steps} steps, an inf planted in "
+          "2.weight's gradient at step 20")
+    model = _model(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = GradScaler(device.type, init_scale=2.0**16)
+    watch = scaler.watch(model)
+    gen = torch.Generator(device=device).manual_seed(2)
+    for step in range(steps):
+        x = torch.randn(128, 64, device=device, generator=gen)
+        with torch.autocast(device.type, dtype=autocast_dtype(device)):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+        if step == 20:
+            model[2].weight.grad[3, 7] = float("inf")
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    report = watch.report()  # the one device-to-host copy
+    print(report.last_overflow)
+    print(f"last step: total norm {report.total_norm:.4g}, scale {report.scale:g}, skipped "
+          f"steps {report.skipped_steps}")
+    for name in report.norm:
+        print(f"  {name:<10} norm {report.norm[name]:.4g}  amax {report.amax[name]:.4g}")
+
+
 def demo_backend(device: torch.device) -> str:
     """The backend ``GradScaler(device.type)`` runs with ``backend="auto"``."""
     return "triton" if device.type == "cuda" and triton_available() else "reference"
@@ -177,6 +206,7 @@ def main(steps: int = 300, threads: int = 1) -> int:
         differences = []
         for fused in (False, True):
             differences += [f"{d} (fused={fused})" for d in compare(device, steps, fused)]
+        show_telemetry(device)
     finally:
         torch.set_num_threads(previous_threads)
     print("\ndifferences (other than speed): " + (", ".join(differences) or

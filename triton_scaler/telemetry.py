@@ -163,6 +163,12 @@ def named_parameters_of(model: Any) -> list[tuple[str, torch.Tensor]]:
         raise TypeError(f"model must be an nn.Module or (name, parameter) pairs, e.g. "
                         f"model.named_parameters(); got {type(model).__name__}")
     pairs = [(name, p) for name, p in pairs if p.requires_grad]
+    for name, p in pairs:
+        if type(p) not in (torch.Tensor, torch.nn.Parameter):
+            raise NotImplementedError(
+                f"model's parameter {name!r} is a {type(p).__name__}: watching sharded "
+                "parameters (FSDP2's and tensor parallelism's DTensor, FSDP1's FlatParameter) "
+                "is not supported yet; watch plain parameters (single device, DDP)")
     if not pairs:
         raise ValueError("model has no parameters that take gradients: nothing to watch")
     names = [name for name, _ in pairs]
@@ -193,6 +199,10 @@ class GradWatch:
             raise ValueError(f"check_every must be None or an int >= 1; got {check_every!r}")
         if check_every is not None and max_consecutive_skips is None:
             raise ValueError("check_every needs max_consecutive_skips")
+        if getattr(scaler, "_process_group", None) is not None:
+            raise NotImplementedError(
+                "watching a scaler with a process_group (ShardedGradScaler, FSDP1, ZeRO: each "
+                "rank holds shards of the gradients) is not supported yet")
         pairs = named_parameters_of(model)
         self._scaler = scaler
         self.names: tuple[str, ...] = tuple(name for name, _ in pairs)
