@@ -168,7 +168,9 @@ def show_telemetry(device: torch.device, steps: int = 30) -> None:
             loss = model(x).float().square().mean()
         scaler.scale(loss).backward()
         if step == 20:
-            model[2].weight.grad[3, 7] = float("inf")
+            layer = model.get_submodule("2")
+            assert isinstance(layer, torch.nn.Linear) and layer.weight.grad is not None
+            layer.weight.grad[3, 7] = float("inf")
         scaler.clip_grad_norm_(opt, 1.0)
         scaler.step(opt)
         scaler.update()
