@@ -97,7 +97,7 @@ def param_sizes(n_params: int, numel: int = NUMEL, channels_last: bool = False) 
 
 def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = False,
               grads: str = "same", device: str = "cpu", host_layout: str = "heap",
-              channels_last: bool = False, numel: int = NUMEL):
+              channels_last: bool = False, numel: int = NUMEL, watch: bool = False):
     """(prepare, step): ``step()`` is the timed ``scale -> unscale_ -> step -> update``;
     ``prepare()`` (untimed) renews the grads as ``grads`` says. One real backward first
     writes every grad through autograd (GradBuckets' hooks fire); with ``host_layout="dense"``
@@ -107,7 +107,7 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
     parameters' mean size (each drawn from ``[numel // 2, 3 * numel // 2)``; channels_last
     rounds to multiples of 36): a small one makes a bucket's device work negligible (its
     one kernel over ``n_params * numel`` elements is what a plain step's host read waits
-    for on a GPU)."""
+    for on a GPU). ``watch``: ours with ``scaler.watch`` over every parameter."""
     from triton_scaler import GradBuckets, GradScaler
 
     if host_layout == "dense" and device != "cpu":
@@ -123,6 +123,8 @@ def make_step(impl: str, n_params: int, *, buckets: bool = False, fused: bool = 
     kind = torch.device(device).type
     scaler = (torch.amp.GradScaler(kind) if impl == "torch"
               else GradScaler(kind, backend="triton"))
+    if watch:
+        scaler.watch([(f"p{i}", p) for i, p in enumerate(params)])
     loss = torch.ones((), device=device)
     torch.stack([p[:1] for p in params]).sum().backward()
     grad_buffer = None  # dense: the grads' memory outside buckets (and new_memory's)

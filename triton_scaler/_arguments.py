@@ -11,7 +11,7 @@ import torch
 from .policy import ScalerArgumentError
 
 __all__ = ["ScalerArgumentError", "ScaleOutputsError", "check_device", "check_process_group",
-           "check_outputs", "check_optimizer"]
+           "check_outputs", "refuse_non_optimizer"]
 
 
 def check_device(device: object) -> None:
@@ -40,13 +40,12 @@ def check_process_group(process_group: object) -> None:
                         f"{type(process_group).__name__} {process_group!r}")
 
 
-def check_optimizer(optimizer: object, call: str) -> None:
-    """``optimizer`` must be an optimizer (anything with ``param_groups``, as torch's scaler
-    reads it: a ``torch.optim.Optimizer`` or a framework's wrapper). ``TypeError`` naming
-    ``call`` and what was passed otherwise, with the usual slips spelled out: a model, or its
-    ``parameters()``."""
-    if hasattr(optimizer, "param_groups"):
-        return
+def refuse_non_optimizer(optimizer: object, call: str) -> None:
+    """Raise the ``TypeError`` for an ``optimizer`` argument without ``param_groups`` (what
+    torch's scaler reads: a ``torch.optim.Optimizer`` or a framework's wrapper has them),
+    naming ``call`` and what was passed, with the usual slips spelled out: a model, or its
+    ``parameters()``. Callers test ``hasattr(optimizer, "param_groups")`` first (no call on
+    the hot path)."""
     if isinstance(optimizer, torch.nn.Module):
         hint = f"pass the optimizer, not the model (a {type(optimizer).__name__})"
     elif isinstance(optimizer, torch.Tensor) or isinstance(optimizer, Iterable):

@@ -49,8 +49,7 @@ def _storage_refs(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(storage._cdata)
 
 
-@never_traced  # host bookkeeping: traced code calls the registered op (module _dispatch)
-def before_backward() -> None:
+def before_backward() -> None:  # host bookkeeping: traced code calls the registered op
     """A backward is about to start (:meth:`GradScaler.scale` calls this): each live bucket
     forgets the writes since its last check that no accumulation balanced (grads zeroed in
     place by ``zero_grad(set_to_none=False)``), so they cannot hide an accumulation of this
@@ -111,6 +110,9 @@ class GradBucket(BucketRepairMixin):
         # and zeroing the others in place bumps the version as accumulations would)
         self.not_views: set[int] = set()
         self._zeroed: set[int] = set()  # views zeroed while their grad is None
+        #: attach_grads() ran since the last backward began or zero_(): a fused step right
+        #: after the check that attached them need not attach again
+        self.attached = False
         self._index = {id(p): i for i, p in enumerate(params)}
         self._hooks = [p.register_post_accumulate_grad_hook(
             functools.partial(self.received.__setitem__, i)) for i, p in enumerate(params)]
@@ -166,6 +168,7 @@ class GradBucket(BucketRepairMixin):
     def forget_surplus_writes(self) -> None:
         """O(1): count from here as if the buffer had been written as often as autograd
         accumulated since :meth:`checked`, when it was written more often."""
+        self.attached = False
         writes, accumulations = self._writes_and_accumulations()
         if writes > accumulations:
             self._version += writes - accumulations
@@ -192,6 +195,11 @@ class GradBucket(BucketRepairMixin):
         return True
 
     def attach_grads(self) -> frozenset[int]:
+        held = self._attach_grads()
+        self.attached = True
+        return held
+
+    def _attach_grads(self) -> frozenset[int]:
         """Check that every grad is still its view and deal with those that are not; give the
         parameters that received no gradient since :meth:`GradBuckets.zero_` ``grad = None``.
 
@@ -276,6 +284,7 @@ class GradBucket(BucketRepairMixin):
         self.received.clear()
         self._unset_by_us.clear()
         self._zeroed.clear()
+        self.attached = False
         self.buffer.fill_(-0.0)  # (-0.0 + g == g exactly, see __init__)
         self.checked()
 
@@ -320,11 +329,17 @@ def buckets_of(optimizer: torch.optim.Optimizer) -> list[GradBucket]:
     return getattr(optimizer, _REGISTRY_ATTR, [])
 
 
-@never_traced  # host bookkeeping, never in a graph
-def attach_bucket_grads(optimizer: torch.optim.Optimizer) -> None:
+def attach_grads_of(optimizer: torch.optim.Optimizer, checked_now: bool = False) -> None:
     """:meth:`GradBucket.attach_grads` for every bucket of ``optimizer``: before a step whose
     grads ``unscale_`` already covered, so that a parameter that received no gradient since
     (``buckets.zero_()`` in between) has ``grad = None``, as in torch. O(1) per bucket when
-    every grad is its view and received a gradient."""
+    every grad is its view and received a gradient. ``checked_now``: the step's own check ran
+    just before (no user code in between); a bucket it attached is left as it is. For code
+    that dynamo never traces; elsewhere :func:`attach_bucket_grads`."""
     for bucket in buckets_of(optimizer):
-        bucket.attach_grads()
+        if not (checked_now and bucket.attached):
+            bucket.attach_grads()
+
+
+#: :func:`attach_grads_of` for code that dynamo may trace: host bookkeeping, never in a graph
+attach_bucket_grads = never_traced(attach_grads_of)

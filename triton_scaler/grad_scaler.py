@@ -21,9 +21,9 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import reference
-from ._arguments import check_device, check_optimizer, check_outputs, check_process_group
+from ._arguments import check_device, check_outputs, check_process_group, refuse_non_optimizer
 from ._backend import Backend, check_backend, resolve_backend
-from ._bucket import attach_bucket_grads, buckets_of
+from ._bucket import attach_bucket_grads, attach_grads_of, buckets_of
 from ._clip import check_clip_arguments, clip_unscaled, fused_clip, raise_nonfinite
 from ._compile import eager_frame, never_traced, traced_when
 from ._dispatch import bind_scaler_update, note_backward, scaler_update, unscale_group
@@ -105,12 +105,15 @@ def _has_grads(optimizer: torch.optim.Optimizer) -> bool:
 
 @eager_frame
 def _fused_optimizer_step(optimizer: torch.optim.Optimizer, scale: torch.Tensor | None,
-                          found_inf: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+                          found_inf: torch.Tensor, args: tuple, kwargs: dict,
+                          checked_now: bool) -> Any:
     """A fused optimizer's step with ``grad_scale`` / ``found_inf`` set on it, as torch's
     scaler does (``scale`` None: the grads were unscaled, the optimizer's own ``grad_scale``
     is kept; else the product with it). An eager frame: attributes set on the optimizer in
-    traced code would not reach a step that dynamo does not trace."""
-    attach_bucket_grads(optimizer)  # GradBuckets: grad None where no gradient came, as torch
+    traced code would not reach a step that dynamo does not trace. ``checked_now``: the
+    step's own check ran just before (see :func:`attach_grads_of`)."""
+    # GradBuckets: grad None where no gradient came, as torch
+    attach_bucket_grads(optimizer, checked_now)
     fused: Any = optimizer  # torch's fused contract: attributes the optimizer reads in step
     own = getattr(fused, "grad_scale", None)
     fused.grad_scale = own if scale is None else scale if own is None else scale * own
@@ -344,7 +347,8 @@ class GradScaler(ScalerStateMixin):
 
         .. note:: Does not synchronise with the host.
         """
-        check_optimizer(optimizer, "unscale_")
+        if not hasattr(optimizer, "param_groups"):
+            refuse_non_optimizer(optimizer, "unscale_")
         if not self._enabled:
             if buckets_of(optimizer):
                 attach_bucket_grads(optimizer)
@@ -423,7 +427,8 @@ class GradScaler(ScalerStateMixin):
         .. note:: Plain optimizers: one host sync (the flag read torch also makes). Fused
             optimizers: none.
         """
-        check_optimizer(optimizer, "step")
+        if not hasattr(optimizer, "param_groups"):
+            refuse_non_optimizer(optimizer, "step")
         if not self._enabled:
             return _disabled_step(optimizer, args, kwargs)
         if "closure" in kwargs:
@@ -449,7 +454,8 @@ class GradScaler(ScalerStateMixin):
         optimizer's own step with ``grad_scale`` / ``found_inf`` (exactly 0.0 or 1.0)."""
         if step_takes_grad_scaler(optimizer):
             return _legacy_fused_step(self, optimizer, args, kwargs)
-        if state["stage"] is OptState.READY:
+        checked_now = state["stage"] is OptState.READY
+        if checked_now:
             self._check_inf_per_device(optimizer)
         elif not state["found_inf_per_device"] and _has_grads(optimizer):
             # unscale_() saw no grads, backward made some since: torch hands the optimizer
@@ -462,7 +468,7 @@ class GradScaler(ScalerStateMixin):
             found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         unscaled = state["stage"] is OptState.UNSCALED
         return _fused_optimizer_step(optimizer, None if unscaled else self._scale, found_inf,
-                                     args, kwargs)
+                                     args, kwargs, checked_now)
 
     def _agree_found_inf(self, state: dict[str, Any]):
         """0-d float32 found_inf on the scale's device, exactly 0.0 or 1.0: the max over
@@ -522,8 +528,7 @@ class GradScaler(ScalerStateMixin):
                     optimizer_state: dict[str, Any]) -> bool:
         """The plain route's decision: the one host read (as torch's ``item()``) of the
         agreed found_inf, unless steps are never skipped."""
-        if buckets_of(optimizer):  # grad None where no gradient came, as torch
-            attach_bucket_grads(optimizer)
+        attach_grads_of(optimizer)  # GradBuckets: grad None where no gradient came, as torch
         if not self._policy.skip_on_overflow:
             return False
         agreed = self._agree_found_inf(optimizer_state)
@@ -597,8 +602,7 @@ class GradScaler(ScalerStateMixin):
         scaler_update(scale, growth_tracker, flags, policy,
                       hysteresis_tracker=self._hysteresis_tracker_t,
                       skipped=self._last_step_skipped, skipped_count=self._skipped_steps_t,
-                      params=self._params_t, backend=self._backend,
-                      bound=lambda: self._bound_update(scale, growth_tracker))
+                      params=self._params_t, backend=self._backend, bound=self._bound_update)
         self._reset_iteration()
         if at_min_scale:  # raised after the update is complete: the scaler stays usable
             raise MinScaleReachedError(
@@ -606,11 +610,12 @@ class GradScaler(ScalerStateMixin):
                 "scale anymore (raise_at_min_scale=True). The step was skipped and the update "
                 "is complete; the scaler can go on if this error is caught.")
 
-    def _bound_update(self, scale: torch.Tensor, growth_tracker: torch.Tensor
-                      ) -> Callable[[], None]:
+    def _bound_update(self) -> Callable[[], None]:
         """update()'s device work (``bind_scaler_update``), bound once and kept while the
         policy, the backend and each state tensor it uses are the same objects (compared by
         identity: an integrator's new ``_scale`` is seen)."""
+        scale, growth_tracker = self._scale, self._growth_tracker
+        assert scale is not None and growth_tracker is not None  # checked by update()
         flags, skipped, count = self._flags, self._last_step_skipped_bytes, self._skipped_steps_t
         if skipped is None:  # viewed once (see ScalerStateMixin._init_device_state)
             assert self._last_step_skipped is not None  # made with the scale
@@ -712,7 +717,8 @@ class GradScaler(ScalerStateMixin):
         .. note:: Does not synchronise with the host, except ``error_if_nonfinite=True``
             (one read).
         """
-        check_optimizer(optimizer, "clip_grad_norm_")
+        if not hasattr(optimizer, "param_groups"):
+            refuse_non_optimizer(optimizer, "clip_grad_norm_")
         max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
         if not isinstance(error_if_nonfinite, bool):
             raise TypeError(f"error_if_nonfinite must be a bool; got {error_if_nonfinite!r}")
