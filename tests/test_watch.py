@@ -277,3 +277,40 @@ def test_sharded_gradients_are_refused_clearly():
         weight = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh))
         with pytest.raises(NotImplementedError, match=r"'w' is a .*: watching sharded"):
             GradScaler("cpu").watch([("w", weight)])
+
+
+def test_mixed_dtypes_empty_grads_and_bf16_overflows(backend):
+    """bf16 grads with an inf and a NaN beside float32 ones and an empty parameter: each
+    dtype's numbers as torch computes them (bf16's inf counted as inf, not as NaN), the norm
+    accumulated in float32."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)),
+              torch.nn.Parameter(torch.randn(40, dtype=torch.bfloat16)),
+              torch.nn.Parameter(torch.randn(0)), torch.nn.Parameter(torch.randn(7))]
+    names = ["a", "b", "empty", "d"]
+    opt = torch.optim.SGD(params, lr=0.0)
+    scaler = GradScaler("cpu", init_scale=8.0, backend=backend)
+    watch = scaler.watch(list(zip(names, params)))
+    loss = sum(p.float().sum() * (i + 1) for i, p in enumerate(params))
+    scaler.scale(loss).backward()
+    params[1].grad[3] = math.inf
+    params[1].grad[5] = -math.inf
+    params[1].grad[9] = math.nan
+    inv = torch.tensor(1 / 8.0)
+    expected = {n: ((p.grad * inv).abs().max().item() if p.numel() else 0.0,
+                    torch.linalg.vector_norm((p.grad * inv).float()).item(),
+                    int(torch.isinf(p.grad * inv).sum()), int(torch.isnan(p.grad * inv).sum()))
+                for n, p in zip(names, params)}
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    report = watch.report()
+    for name, (amax, norm, inf, nan) in expected.items():
+        assert report.nonfinite[name] == (inf, nan)
+        if name == "b":
+            assert math.isnan(report.amax[name]) and math.isnan(report.norm[name])
+        else:
+            assert report.amax[name] == amax
+            assert report.norm[name] == pytest.approx(norm, rel=1e-5)
+    assert report.nonfinite["b"] == (2, 1) and report.has_grad["empty"]
+    assert report.last_overflow.tensors == [("b", 2, 1)]

@@ -235,33 +235,49 @@ class GradWatch:
 
     def _observe(self, optimizer: Any, inv_scale: torch.Tensor) -> None:
         """Record the stats of the watched grads of ``optimizer``, still scaled, times
-        ``inv_scale`` (the values an unscale by it gives, bit for bit). Device ops only."""
+        ``inv_scale`` (the values an unscale by it gives, bit for bit). Device ops only: a
+        fixed number of ``torch._foreach`` ops per dtype (and per 2**26 elements)."""
         index = self._index
         found: list[int] = []
-        grads: list[torch.Tensor] = []
+        groups: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
+        empty: list[int] = []
         for group in optimizer.param_groups:
             for p in group["params"]:
                 i = index.get(id(p))
-                if i is not None:
-                    found.append(i)
-                    if p.grad is not None:
-                        grads.append(p.grad)
+                if i is None:
+                    continue
+                found.append(i)
+                grad = p.grad
+                if grad is None:
+                    continue
+                if grad.numel() == 0:
+                    empty.append(i)
+                    continue
+                rows, grads = groups.setdefault(grad.dtype, ([], []))
+                rows.append(i)
+                grads.append(grad)
         if self._seen_any is not None:
             self._seen_any.update(found)
         if not found:
             return
-        state = self._device_state(inv_scale.device)
-        stats = state["stats"]
-        rows = torch.tensor(found, dtype=torch.int64, device=stats.device)
-        stats.index_fill_(0, rows, 0.0)
-        stats[rows, _AMAX] = math.nan
-        stats[rows, _NORM] = math.nan
-        if not grads:
-            return
-        with_grad = [i for i in found if self._params[i].grad is not None]
-        values = torch.stack([_grad_stats(g, inv_scale) for g in grads])
-        stats[torch.tensor(with_grad, dtype=torch.int64, device=stats.device)] = \
-            values.to(stats.device)
+        stats = self._device_state(inv_scale.device)["stats"]
+        device = stats.device
+        reset = torch.tensor([[math.nan, math.nan, 0.0, 0.0, 0.0]], dtype=torch.float64,
+                             device=device)
+        stats.index_copy_(0, torch.tensor(found, dtype=torch.int64, device=device),
+                          reset.expand(len(found), 5))
+        rows_done: list[int] = list(empty)
+        values: list[torch.Tensor] = []
+        if empty:
+            values.append(torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0]], dtype=torch.float64,
+                                       device=device).expand(len(empty), 5))
+        for dtype, (rows, grads) in groups.items():
+            for start, stop in _chunks(grads):
+                values.append(_grad_stats(grads[start:stop], inv_scale, dtype).to(device))
+                rows_done += rows[start:stop]
+        if rows_done:
+            stats.index_copy_(0, torch.tensor(rows_done, dtype=torch.int64, device=device),
+                              torch.cat(values))
 
     def _record_update(self, found: torch.Tensor, skips: bool, scale: torch.Tensor) -> None:
         """Before ``update()`` changes the scale: record this iteration's overflow (``found``,
@@ -376,19 +392,38 @@ class GradWatch:
         return f"GradWatch({len(self.names)} parameters{', closed' if self._closed else ''})"
 
 
-def _grad_stats(grad: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
-    """``[amax, norm, inf count, NaN count, 1]`` of ``grad * inv_scale`` (float64): amax and
-    the counts as torch computes them from the unscaled grad, the norm accumulated in float32
-    (float64 for float64 grads)."""
-    unscaled = grad * inv_scale.to(grad.device)
-    accumulate = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    if unscaled.numel() == 0:
-        amax = torch.zeros((), dtype=torch.float64, device=grad.device)
-        norm = amax
-    else:
-        amax = unscaled.abs().max().double()
-        norm = torch.linalg.vector_norm(unscaled, dtype=accumulate).double()
-    inf = torch.isinf(unscaled).sum().double()
-    nan = torch.isnan(unscaled).sum().double()
-    return torch.stack([amax, norm, inf, nan, torch.ones_like(inf)])
+_CHUNK_ELEMENTS = 2**26  # the statistics' temporaries: at most twice this many elements
 
+
+def _chunks(grads: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """``(start, stop)`` runs of ``grads`` of at most ``_CHUNK_ELEMENTS`` elements (or one
+    grad), so that the temporaries of :func:`_grad_stats` stay bounded."""
+    runs, start, total = [], 0, 0
+    for i, grad in enumerate(grads):
+        if total and total + grad.numel() > _CHUNK_ELEMENTS:
+            runs.append((start, i))
+            start, total = i, 0
+        total += grad.numel()
+    runs.append((start, len(grads)))
+    return runs
+
+
+def _grad_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``[amax, norm, inf count, NaN count, 1]`` per grad (float64 rows) of ``grad *
+    inv_scale``, for non-empty ``grads`` of ``dtype``: amax and the counts as torch computes
+    them from the unscaled grad, the norm accumulated in float32 (float64 for float64 grads).
+    Eight ``torch._foreach`` ops, whatever the number of grads."""
+    unscaled = torch._foreach_mul(grads, inv_scale.to(grads[0].device))
+    norm = torch._foreach_norm(unscaled, 2, dtype=torch.float64 if dtype == torch.float64
+                               else torch.float32)
+    torch._foreach_abs_(unscaled)
+    amax = torch._foreach_norm(unscaled, math.inf)
+    finite = torch._foreach_clamp_max(unscaled, torch.finfo(dtype).max)  # NaN stays NaN
+    torch._foreach_sub_(unscaled, finite)  # 0 where finite, inf where inf, NaN where NaN
+    nonfinite = torch._foreach_norm(unscaled, 0)  # ord 0: how many are not 0
+    torch._foreach_sub_(finite, finite)  # NaN where NaN, else 0
+    nan = torch._foreach_norm(finite, 0)
+    nonfinite_t, nan_t = torch.stack(nonfinite).double(), torch.stack(nan).double()
+    return torch.stack([torch.stack(amax).double(), torch.stack(norm).double(),
+                        nonfinite_t - nan_t, nan_t, torch.ones_like(nan_t)], dim=1)
