@@ -314,3 +314,30 @@ def test_mixed_dtypes_empty_grads_and_bf16_overflows(backend):
             assert report.norm[name] == pytest.approx(norm, rel=1e-5)
     assert report.nonfinite["b"] == (2, 1) and report.has_grad["empty"]
     assert report.last_overflow.tensors == [("b", 2, 1)]
+
+
+@pytest.mark.slow
+def test_a_watched_ddp_run_reports_the_reduced_gradients_on_every_rank(tmp_path, backend):
+    """DDP, 2 gloo ranks, rank 1's loss overflowing at one step: every rank reports the same
+    overflow (all parameters, as DDP's all-reduce spreads it) and, at the last step, amax and
+    counts exactly torch's, norms within 1e-5, of the all-reduced gradients; the ranks'
+    parameters stay equal."""
+    import torch.distributed as dist
+    from _spawn import spawn_bounded, store_file_in
+    from _watch_worker import OVERFLOW_STEP, run_watched_ddp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    spawn_bounded(run_watched_ddp, (2, store_file_in(tmp_path), backend, str(tmp_path)),
+                  timeout_s=180)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    for result in results:
+        assert result["skipped"] == 1 and result["overflow_step"] == OVERFLOW_STEP
+        assert result["overflow_names"] == ["2.bias", "2.weight", "0.bias", "0.weight"]
+        for name, (amax, norm, inf, nan) in result["expected"].items():
+            assert result["amax"][name] == amax
+            assert result["norm"][name] == pytest.approx(norm, rel=1e-5)
+            assert result["nonfinite"][name] == (inf, nan) == (0, 0)
+    assert results[0]["expected"] == results[1]["expected"]  # the reduced grads: one value
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
