@@ -195,11 +195,6 @@ class GradBucket(BucketRepairMixin):
         return True
 
     def attach_grads(self) -> frozenset[int]:
-        held = self._attach_grads()
-        self.attached = True
-        return held
-
-    def _attach_grads(self) -> frozenset[int]:
         """Check that every grad is still its view and deal with those that are not; give the
         parameters that received no gradient since :meth:`GradBuckets.zero_` ``grad = None``.
 
@@ -218,6 +213,7 @@ class GradBucket(BucketRepairMixin):
         writes += self._forgotten_writes
         self.checked()
         if fast:
+            self.attached = True
             return self.param_ids  # the O(1) path: nothing to do
         detached: list[int] = []
         quiet: list[int] = []
@@ -271,6 +267,7 @@ class GradBucket(BucketRepairMixin):
             outside |= self._reattach(detached, self._on_detach == "reattach")
         ids = frozenset(id(self.params[i]) for i in held + quiet + detached) - outside
         self.not_views = set(unset + dropped) | {self._index[pid] for pid in outside}
+        self.attached = True
         return self.param_ids if len(ids) == len(self.params) else ids
 
     def zero_(self) -> None:
