@@ -75,3 +75,13 @@ def assert_same_optimizer_state(a, b):
                     raise AssertionError(f"{key}: {error}") from error
             else:
                 assert pa[key] == pb[key], key
+
+
+def optimizer_for_route(route, params, sgd_lr=0.05):
+    """An optimizer of each step route: ``"fused"`` AdamW (the fused-optimizer route),
+    ``"foreach"`` AdamW, or (anything else) for-loop SGD with momentum."""
+    if route == "fused":
+        return torch.optim.AdamW(params, lr=0.01, fused=True)
+    if route == "foreach":
+        return torch.optim.AdamW(params, lr=0.01, foreach=True)
+    return torch.optim.SGD(params, lr=sgd_lr, momentum=0.9, foreach=False)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from _loops import optimizer_for_route
 from _util import assert_all_same, graphs_compiled
 
 from triton_scaler import GradBuckets, GradScaler
@@ -147,13 +148,6 @@ def test_update_with_every_extension_compiles_as_eager(backend, settings):
     assert eager[3] == skips
 
 
-def _optimizer(kind, params):
-    if kind == "fused":
-        return torch.optim.AdamW(params, lr=0.01, fused=True)
-    if kind == "foreach":
-        return torch.optim.AdamW(params, lr=0.01, foreach=True)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False)
-
 
 def _state_of(opt):
     return [(k, v.clone() if isinstance(v, torch.Tensor) else v)
@@ -169,7 +163,7 @@ def test_a_planted_overflow_under_a_compiled_step_changes_no_parameter_or_state(
     was, backs the scale off and counts one skipped step."""
     torch._dynamo.reset()
     model = _model()
-    opt = _optimizer(kind, model.parameters())
+    opt = optimizer_for_route(kind, model.parameters(), sgd_lr=0.1)
     scaler = GradScaler("cpu", init_scale=2.0**10, backend=backend)
     post = torch.compile(lambda: (scaler.step(opt), scaler.update()), backend="aot_eager")
     x = torch.randn(4, 8)
@@ -208,7 +202,7 @@ def test_a_compiled_step_breaks_only_around_the_optimizers_step(backend, kind):
                        ("ours", lambda: GradScaler("cpu", backend=backend))):
         torch._dynamo.reset()
         model = _model()
-        opt = _optimizer(kind, model.parameters())
+        opt = optimizer_for_route(kind, model.parameters(), sgd_lr=0.1)
         scaler = make()
         scaler.scale(model(torch.randn(4, 8)).sum()).backward()
 

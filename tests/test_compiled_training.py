@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from _loops import optimizer_for_route
 from _util import assert_all_same, graphs_compiled
 
 from triton_scaler import GradBuckets, GradScaler
@@ -22,13 +23,6 @@ LOSS_OVERFLOWS, GRAD_OVERFLOWS = (3, 10), (7,)
 KWARGS = dict(init_scale=2.0**12, growth_interval=3)
 
 
-def _optimizer(kind, params):
-    if kind == "fused":
-        return torch.optim.AdamW(params, lr=0.01, fused=True)
-    if kind == "foreach":
-        return torch.optim.AdamW(params, lr=0.01, foreach=True)
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=False)
-
 
 def _train(ours, backend, compile_backend, kind, buckets, clip):
     torch._dynamo.reset()
@@ -36,7 +30,7 @@ def _train(ours, backend, compile_backend, kind, buckets, clip):
     model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(),
                                 torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     forward = torch.compile(model, backend=compile_backend)
-    opt = _optimizer(kind, model.parameters())
+    opt = optimizer_for_route(kind, model.parameters())
     opt.step = torch.compile(opt.step, backend=compile_backend)  # the same for both scalers
     held = GradBuckets(opt) if buckets and ours else None
     if ours:

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from _loops import optimizer_for_route
 
 from triton_scaler import GradBuckets, GradScaler, SkippedStepsError, WatchReport
 from triton_scaler.diagnostics import count_host_syncs, optimizer_step_uncounted
@@ -22,20 +23,13 @@ def _model():
                                torch.nn.ReLU(), torch.nn.Linear(3, 2))
 
 
-def _optimizer(kind, params):
-    if kind == "fused":
-        return torch.optim.AdamW(params, lr=0.01, fused=True)
-    if kind == "foreach":
-        return torch.optim.AdamW(params, lr=0.01, foreach=True)
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=False)
-
 
 def _train(backend, kind, buckets, clip, watch, expected_stats=None, unscale=False):
     """Six iterations; at OVERFLOW_STEP one inf and one NaN planted in two grads. With
     ``expected_stats`` (a list), each iteration's torch-computed stats of the unscaled grads
     (before clipping) are appended to it."""
     model = _model()
-    opt = _optimizer(kind, model.parameters())
+    opt = optimizer_for_route(kind, model.parameters())
     held = GradBuckets(opt) if buckets else None
     scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=2, backend=backend)
     watcher = scaler.watch(model) if watch else None

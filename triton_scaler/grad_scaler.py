@@ -355,7 +355,7 @@ class GradScaler(ScalerStateMixin):
             return
         state = self._ready_to_unscale(optimizer, "unscale_")
         if self._watch is not None:
-            self._watch._observe(optimizer, reference.inv_scale_of(self._scale))
+            self._watch_grads(optimizer)
         found_inf = self._found_inf_flag(state)
         if self._overrides_unscale_grads():  # as torch: its inv_scale, through the override
             per_device = self._unscale_grads_(optimizer, reference.inv_scale_of(self._scale),
@@ -389,7 +389,7 @@ class GradScaler(ScalerStateMixin):
         self._check_state("_check_inf_per_device")
         state = self._per_optimizer_states[id(optimizer)]
         if self._watch is not None:
-            self._watch._observe(optimizer, reference.inv_scale_of(self._scale))
+            self._watch_grads(optimizer)
         found_inf = self._found_inf_flag(state)
         if self._overrides_unscale_grads():  # as torch: an unscale by 1.0 through the override
             ones = torch.ones((), dtype=torch.float32, device=self._scale.device)
@@ -642,6 +642,11 @@ class GradScaler(ScalerStateMixin):
         return bool((backs_off & (self._scale <= self._policy.min_scale)).item())
 
     # ------------------------------------------------------------------ telemetry
+    def _watch_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """The watch records ``optimizer``'s grads before they are unscaled or checked
+        (every route: ``unscale_``, the fused clip, the fused route's check)."""
+        self._watch._observe(optimizer, reference.inv_scale_of(self._scale))
+
     def watch(self, model: Any, *, max_consecutive_skips: int | None = None,
               check_every: int | None = None) -> GradWatch:
         """Watch the gradients of ``model``'s parameters: per-parameter norm, amax and inf /
@@ -750,7 +755,7 @@ class GradScaler(ScalerStateMixin):
                                  error_if_nonfinite)
         state = self._ready_to_unscale(optimizer, "unscale_")  # torch's unscale_ errors
         if self._watch is not None:
-            self._watch._observe(optimizer, reference.inv_scale_of(self._scale))
+            self._watch_grads(optimizer)
         found_for = PerDevice(self._found_inf_flag(state))
         with torch.no_grad():
             groups, mesh_groups = collect_grads(optimizer, self._unscales_fp16, self._backend,

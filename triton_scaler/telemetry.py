@@ -15,7 +15,7 @@ import torch
 
 __all__ = ["GradWatch", "WatchReport", "Overflow", "SkippedStepsError"]
 
-_AMAX, _NORM, _INF, _NAN, _SEEN = range(5)  # the columns of a watch's per-parameter stats
+_AMAX, _NORM, _INF, _NAN = range(4)  # the columns of a watch's per-parameter stats (then: seen)
 
 
 class SkippedStepsError(RuntimeError):
@@ -209,8 +209,10 @@ class GradWatch:
         self.max_consecutive_skips = max_consecutive_skips
         self.check_every = check_every
         self._index = {id(p): i for i, (_, p) in enumerate(pairs)}
-        self._params = [p for _, p in pairs]
         self._state: dict[str, torch.Tensor] | None = None
+        #: the last rows written by _observe and their device index tensor (a loop writes the
+        #: same rows every step: uploaded once)
+        self._rows: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._seen_any: set[int] | None = set()  # until the first update: which were seen
         self._updates = 0
         self._closed = False
@@ -225,6 +227,10 @@ class GradWatch:
             stats[:, _NORM] = math.nan
             state = self._state = {
                 "stats": stats,  # amax, norm, inf, nan, seen (float64: exact counts)
+                # the rows of a parameter without a grad, and of an empty grad
+                "fill": torch.tensor([[math.nan, math.nan, 0.0, 0.0, 0.0],
+                                      [0.0, 0.0, 0.0, 0.0, 1.0]], dtype=torch.float64,
+                                     device=device),
                 "overflow": torch.zeros((n, 2), dtype=torch.float64, device=device),
                 # step of the last overflow (-1: none), its scale, iteration, the run of
                 # skipped steps, the longest run since the last report
@@ -238,46 +244,52 @@ class GradWatch:
         ``inv_scale`` (the values an unscale by it gives, bit for bit). Device ops only: a
         fixed number of ``torch._foreach`` ops per dtype (and per 2**26 elements)."""
         index = self._index
-        found: list[int] = []
-        groups: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
+        found = False
+        no_grad: list[int] = []
         empty: list[int] = []
+        groups: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 i = index.get(id(p))
                 if i is None:
                     continue
-                found.append(i)
+                found = True
                 grad = p.grad
                 if grad is None:
-                    continue
-                if grad.numel() == 0:
+                    no_grad.append(i)
+                elif grad.numel() == 0:
                     empty.append(i)
-                    continue
-                rows, grads = groups.setdefault(grad.dtype, ([], []))
-                rows.append(i)
-                grads.append(grad)
-        if self._seen_any is not None:
-            self._seen_any.update(found)
+                else:
+                    rows, grads = groups.setdefault(grad.dtype, ([], []))
+                    rows.append(i)
+                    grads.append(grad)
         if not found:
             return
-        stats = self._device_state(inv_scale.device)["stats"]
-        device = stats.device
-        reset = torch.tensor([[math.nan, math.nan, 0.0, 0.0, 0.0]], dtype=torch.float64,
-                             device=device)
-        stats.index_copy_(0, torch.tensor(found, dtype=torch.int64, device=device),
-                          reset.expand(len(found), 5))
-        rows_done: list[int] = list(empty)
+        state = self._device_state(inv_scale.device)
+        device = state["stats"].device
+        written: list[int] = []
         values: list[torch.Tensor] = []
-        if empty:
-            values.append(torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0]], dtype=torch.float64,
-                                       device=device).expand(len(empty), 5))
         for dtype, (rows, grads) in groups.items():
             for start, stop in _chunks(grads):
                 values.append(_grad_stats(grads[start:stop], inv_scale, dtype).to(device))
-                rows_done += rows[start:stop]
-        if rows_done:
-            stats.index_copy_(0, torch.tensor(rows_done, dtype=torch.int64, device=device),
-                              torch.cat(values))
+                written += rows[start:stop]
+        fill = state["fill"]
+        for rows, row in ((no_grad, 0), (empty, 1)):
+            if rows:
+                values.append(fill[row].expand(len(rows), 5))
+                written += rows
+        state["stats"].index_copy_(0, self._row_index(tuple(written), device),
+                                   torch.cat(values))
+        if self._seen_any is not None:
+            self._seen_any.update(written)
+
+    def _row_index(self, rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """``rows`` as a device index tensor: the one made for the last call when the rows
+        are the same (no upload in a loop's steady state)."""
+        kept = self._rows
+        if kept is None or kept[0] != rows:
+            kept = self._rows = (rows, torch.tensor(rows, dtype=torch.int64, device=device))
+        return kept[1]
 
     def _record_update(self, found: torch.Tensor, skips: bool, scale: torch.Tensor) -> None:
         """Before ``update()`` changes the scale: record this iteration's overflow (``found``,
@@ -413,7 +425,7 @@ def _grad_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor,
     """``[amax, norm, inf count, NaN count, 1]`` per grad (float64 rows) of ``grad *
     inv_scale``, for non-empty ``grads`` of ``dtype``: amax and the counts as torch computes
     them from the unscaled grad, the norm accumulated in float32 (float64 for float64 grads).
-    Eight ``torch._foreach`` ops, whatever the number of grads."""
+    Nine ``torch._foreach`` ops, whatever the number of grads."""
     unscaled = torch._foreach_mul(grads, inv_scale.to(grads[0].device))
     norm = torch._foreach_norm(unscaled, 2, dtype=torch.float64 if dtype == torch.float64
                                else torch.float32)
