@@ -288,7 +288,7 @@ def test_a_triton_older_than_the_tested_floor_is_refused_by_name(monkeypatch, ve
 
     for ok in ("3.3.1", "3.4.0+git0a1b2c3", "3.9.0", "3.10.0", "4.0.0"):
         _backend.check_triton_version(ok)
-    monkeypatch.setattr(_backend, "_kernels", None)
+    monkeypatch.setattr(_backend, "loaded_kernels", None)
     monkeypatch.setattr(triton, "__version__", version)
     with pytest.raises(RuntimeError, match=rf"need triton >= 3\.3 .*triton {re.escape(version)} "
                                            r"is installed.*backend='reference'"):

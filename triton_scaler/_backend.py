@@ -33,7 +33,9 @@ def triton_available() -> bool:
     return _triton_found
 
 
-_kernels: ModuleType | None = None
+#: The ``triton_scaler.kernels`` package once :func:`triton_kernels` imported it (a hot path
+#: reads this global, falling back to that call).
+loaded_kernels: ModuleType | None = None
 
 
 def triton_kernels() -> ModuleType:
@@ -42,15 +44,15 @@ def triton_kernels() -> ModuleType:
     statement, which costs ~10 us a call with the host's caches cold (a training step's
     forward and backward leave them so). ``RuntimeError`` for a triton older than
     :data:`MIN_TRITON`."""
-    global _kernels
-    if _kernels is None:
+    global loaded_kernels
+    if loaded_kernels is None:
         import triton
 
         check_triton_version(triton.__version__)
         from triton_scaler import kernels
 
-        _kernels = kernels
-    return _kernels
+        loaded_kernels = kernels
+    return loaded_kernels
 
 
 def check_triton_version(version: str) -> None:

@@ -303,24 +303,6 @@ class GradBucket(BucketRepairMixin):
         _live_buckets.discard(self)
 
 
-def param_lists(param_groups: list[dict]) -> tuple[tuple[list, ...], tuple[int, ...]]:
-    """The groups' parameter lists themselves and their lengths: what
-    :func:`same_param_lists` compares. Holding the lists (not their ids) keeps a replaced
-    list from being freed and its id reused by a newer one."""
-    return tuple(g["params"] for g in param_groups), tuple(len(g["params"]) for g in param_groups)
-
-
-def same_param_lists(known: tuple | None, param_groups: list[dict]) -> bool:
-    """The groups hold the same list objects as ``known`` (from :func:`param_lists`), of the
-    same lengths: O(number of groups)."""
-    if known is None or len(known[0]) != len(param_groups):
-        return False
-    for group, params, n in zip(param_groups, known[0], known[1]):
-        if group["params"] is not params or len(params) != n:
-            return False
-    return True
-
-
 def buckets_of(optimizer: torch.optim.Optimizer) -> list[GradBucket]:
     """The buckets registered on ``optimizer`` (empty when it has none)."""
     return getattr(optimizer, _REGISTRY_ATTR, [])

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.library import custom_op
 
-from . import _plans, reference
+from . import _backend, _plans, reference
 from ._backend import resolve_backend, triton_kernels
 from ._bucket import before_backward
 from ._compile import is_traced, run_eagerly
@@ -67,10 +67,17 @@ def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor
         else:
             _ops.non_finite_check_(group.grads, found_inf, inv_scale, backend)
         return None
-    if group.plan is not None or resolve_backend(backend, found_inf.device) == "triton":
-        return triton_kernels().launch_unscale(group.launch_target(), found_inf, scale,
-                                               write=write, norm=norm, clip_coef=clip_coef,
-                                               inv_from_scale=from_scale)
+    plan = group.plan
+    if plan is None and not group.reference:  # known after the first launch (kept groups)
+        if resolve_backend(backend, found_inf.device) == "triton":
+            plan = group.plan = _plans.plan_unscale(group.grads, group.numels, group.addresses)
+        else:
+            group.reference = True
+    if plan is not None:
+        kernels = _backend.loaded_kernels or triton_kernels()
+        return kernels.launch_unscale(plan, found_inf, scale, write=write, norm=norm,
+                                      clip_coef=clip_coef, inv_from_scale=from_scale,
+                                      base=group.base)
     if norm or clip_coef is not None:
         raise ValueError("the clip's fused passes run on the Triton backend only")
     _reference_unscale(group.grads, found_inf,

@@ -27,7 +27,7 @@ import torch
 
 from . import _plan_store, _plans
 from ._backend import resolve_backend
-from ._bucket import buckets_of, param_lists, same_param_lists
+from ._bucket import _REGISTRY_ATTR, buckets_of
 from ._compile import is_traced
 from ._distributed import add_groups, local_grad
 from ._op_args import FLOAT_DTYPES, check_grad_dtype
@@ -69,12 +69,16 @@ class GradGroup:
     known) is that launch's host work. Lives for one call: it holds the grads, which
     ``zero_grad(set_to_none=True)`` must free."""
 
-    __slots__ = ("device", "grads", "numels", "addresses", "plan", "padding", "mesh_groups")
+    __slots__ = ("device", "grads", "numels", "addresses", "plan", "base", "reference",
+                 "padding", "mesh_groups")
 
-    def __init__(self, device, grads, numels=None, addresses=None, plan=None,
-                 padding=None, mesh_groups=None) -> None:
+    def __init__(self, device, grads, numels=None, addresses=None, plan=None, base=None,
+                 padding=None, mesh_groups=None, reference=False) -> None:
         self.device, self.grads, self.numels, self.addresses = device, grads, numels, addresses
-        self.plan, self.padding = plan, padding  # padding: a bucket's (GradBucket.padding)
+        # base: the launch's base grad when ``plan`` is a kept template (which holds none)
+        self.plan, self.base = plan, base
+        self.reference = reference  # known to run on the reference path (no plan)
+        self.padding = padding  # a bucket's (GradBucket.padding)
         # DTensor grads: the groups they are sharded over (() when replicated: whole on every
         # rank); None for plain grads (a clip's shards over its shard_group, when given)
         self.mesh_groups = mesh_groups
@@ -152,6 +156,24 @@ def _picker(indices: list[int], total: int):
     return lambda items: list(getter(items))
 
 
+def param_lists(param_groups: list[dict]) -> tuple[tuple[list, ...], tuple[int, ...]]:
+    """The groups' parameter lists themselves and their lengths: what
+    :func:`same_param_lists` compares. Holding the lists (not their ids) keeps a replaced
+    list from being freed and its id reused by a newer one."""
+    return tuple(g["params"] for g in param_groups), tuple(len(g["params"]) for g in param_groups)
+
+
+def same_param_lists(known: tuple | None, param_groups: list[dict]) -> bool:
+    """The groups hold the same list objects as ``known`` (from :func:`param_lists`), of the
+    same lengths: O(number of groups)."""
+    if known is None or len(known[0]) != len(param_groups):
+        return False
+    for group, params, n in zip(param_groups, known[0], known[1]):
+        if group["params"] is not params or len(params) != n:
+            return False
+    return True
+
+
 _layouts: WeakKeyDictionary = WeakKeyDictionary()
 
 
@@ -162,7 +184,8 @@ def _layout_of(optimizer: torch.optim.Optimizer) -> _Layout:
     except TypeError:  # an optimizer-like object that takes no weak reference (__slots__
         return _Layout(optimizer, param_lists(groups))  # without __weakref__): not kept
     if layout is None or not same_param_lists(layout.signature, groups) or \
-            layout.n_buckets != len(buckets_of(optimizer)) or not layout.is_current(optimizer):
+            layout.n_buckets != len(getattr(optimizer, _REGISTRY_ATTR, ())) or \
+            not layout.is_current(optimizer):
         layout = _layouts[optimizer] = _Layout(optimizer, param_lists(groups))
     return layout
 
@@ -180,8 +203,12 @@ def collect_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: s
     if is_traced():
         return traced_groups(optimizer, allow_fp16), {}
     groups, mesh_groups = grad_groups(optimizer, allow_fp16, backend)
-    if write and groups:
-        _plans.refuse_group_writes(groups, backend)
+    if write:
+        for group in groups:  # kept plans (a step's usual case) were refused when planned
+            plan = group.plan
+            if not group.reference and (plan is None or not plan.reusable):
+                _plans.refuse_group_writes(groups, backend)
+                break
     return groups, mesh_groups
 
 
@@ -269,10 +296,11 @@ def _groups_fast(layout: _Layout, params: list[torch.Tensor],
         for (device, _, pick, _), (index, template) in zip(layout.plain_groups,
                                                             stored.launches):
             members = pick(grads)
-            base = grads[index]  # the group's first non-empty grad
+            base = grads[index]  # the group's first non-empty grad (reference: its first)
             if base.device != device:
                 break
-            groups.append(GradGroup(device, members, plan=template.rebased(base)))
+            groups.append(GradGroup(device, members, plan=template, base=base,
+                                    reference=template is None))
         else:
             return groups
     return _groups_planned(layout, key, grads)
@@ -302,12 +330,15 @@ def _groups_planned(layout: _Layout, key: tuple, grads: list[torch.Tensor]
             plan = group.launch_target()
             launches.append((indices[plan.base_index], plan.template()) if plan.reusable
                             else None)
+        else:  # the reference path plans nothing: kept are the checks above
+            group.reference = True
+            launches.append((indices[0], None))
         groups.append(group)
     stored = None
-    if len(launches) == len(groups) and None not in launches:  # reusable: stored
-        kept = cast("list[tuple[int, UnscalePlan]]", launches)
+    if None not in launches:  # reusable: stored
+        kept = cast("list[tuple[int, UnscalePlan | None]]", launches)
         stored = StoredLaunches(kept, numels, dtypes)
-        if not all(template.contiguous for _, template in kept):  # strides: the guard's
+        if not all(template is not None and template.contiguous for _, template in kept):
             stored.guard = tensor_guards(grads)
             stored = stored if stored.guard is not None else None
     if stored is not None:

@@ -31,10 +31,12 @@ class UnscalePlan:
         overlapping: two grads share part of their memory.
         fp64: the grads are float64 (the norm partials' precision, also for no elements).
         refusal: why a write over this plan would not give torch's op's result, or None.
+        reusable: launchable again over grads at the same addresses and laid out the same
+            (no copies, no shared memory).
     """
 
     __slots__ = ("base", "base_index", "table", "n", "grid", "copies", "contiguous",
-                 "overlapping", "fp64", "refusal")
+                 "overlapping", "fp64", "refusal", "reusable")
 
     def __init__(self, base: torch.Tensor | None, base_index: int, table: torch.Tensor | None,
                  n: int, grid: int, copies: list, contiguous: bool, *,
@@ -43,12 +45,7 @@ class UnscalePlan:
         self.base, self.base_index, self.table, self.n = base, base_index, table, n
         self.grid, self.copies, self.contiguous = grid, copies, contiguous
         self.overlapping, self.fp64, self.refusal = overlapping, fp64, refusal
-
-    @property
-    def reusable(self) -> bool:
-        """Launchable again over grads at the same addresses and laid out the same (no
-        copies, no shared memory)."""
-        return not self.copies and not self.overlapping
+        self.reusable = not copies and not overlapping
 
     def template(self) -> UnscalePlan:
         """This plan without its grads (a reusable plan's, kept by :mod:`._plan_store`)."""

@@ -9,7 +9,8 @@ from typing import Literal
 
 import torch
 
-from ._bucket import _REGISTRY_ATTR, GradBucket, _bucketed, param_lists, same_param_lists
+from ._bucket import _REGISTRY_ATTR, GradBucket, _bucketed
+from ._grads import param_lists, same_param_lists
 
 
 class GradBuckets:

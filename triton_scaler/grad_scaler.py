@@ -371,7 +371,8 @@ class GradScaler(ScalerStateMixin):
     def _ready_to_unscale(self, optimizer: torch.optim.Optimizer, funcname: str) -> dict:
         """The optimizer's per-iteration state; raises torch's errors when its grads were
         already unscaled or stepped in this iteration."""
-        self._check_state(funcname)
+        if self._scale is None or self._growth_tracker is None:
+            self._check_state(funcname)  # raises torch's error
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError(
