@@ -315,7 +315,8 @@ def _groups_planned(layout: _Layout, key: tuple, grads: list[torch.Tensor]
     _, backend, addresses = key
     numels, dtypes = tuple(map(_NUMEL, grads)), tuple(map(_DTYPE, grads))
     groups: list[GradGroup] = []
-    launches: list[tuple[int, UnscalePlan] | None] = []  # None: a plan that cannot be kept
+    # None: a plan that cannot be kept; (index, None): a group on the reference path
+    launches: list[tuple[int, UnscalePlan | None] | None] = []
     for device, dtype, pick, indices in layout.plain_groups:
         members = pick(grads)
         # each grad's dtype and device index, then the device itself through the first grad
@@ -336,7 +337,7 @@ def _groups_planned(layout: _Layout, key: tuple, grads: list[torch.Tensor]
         groups.append(group)
     stored = None
     if None not in launches:  # reusable: stored
-        kept = cast("list[tuple[int, UnscalePlan | None]]", launches)
+        kept = cast("list[tuple[int, UnscalePlan | None]]", launches)  # none is None
         stored = StoredLaunches(kept, numels, dtypes)
         if not all(template is not None and template.contiguous for _, template in kept):
             stored.guard = tensor_guards(grads)

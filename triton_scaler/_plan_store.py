@@ -24,6 +24,7 @@ a miss, not an error). Host work only.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -97,12 +98,13 @@ def clear() -> None:
 
 class StoredLaunches:
     """The launches over a grad list (``(index of the launch's base grad in the list, plan
-    template)``, one per group, in order) and what tells that new grads at the same addresses
-    are laid out as the grads they were made for. Holds no grad."""
+    template)``, one per group, in order; the template None for a group on the reference
+    path) and what tells that new grads at the same addresses are laid out as the grads they
+    were made for. Holds no grad."""
 
     __slots__ = ("launches", "numels", "dtypes", "guard")
 
-    def __init__(self, launches: list[tuple[int, UnscalePlan]],
+    def __init__(self, launches: Sequence[tuple[int, UnscalePlan | None]],
                  numels: tuple[int, ...] | None, dtypes: tuple[torch.dtype, ...] | None,
                  guard: TensorGuards | None = None) -> None:
         self.launches = launches
