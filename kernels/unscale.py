@@ -14,6 +14,10 @@ One kernel, specialised by constexpr flags:
   sum of squares / the max ``|x|`` of its unscaled (dtype-rounded) values into a partial
   buffer, accumulated in float32 (float64 for float64 grads).
 * ``CLIP=True`` (write pass): stores ``dtype(dtype(g * inv_scale) * clip_coef)``.
+* ``STATS=True`` (a watched scaler's pass, :mod:`.stats`): each program also stores four
+  statistics of its unscaled (dtype-rounded) values, before a clip: the sum of squares
+  (float32, float64 for float64 grads), the max ``|x|`` over the values that are not NaN,
+  and the inf and NaN counts.
 
 found_inf is set to exactly 1.0 when an input element or its unscaled product (rounded to the
 gradient's dtype) is non-finite, by a single masked store from each program that saw one.
@@ -34,6 +38,7 @@ GPU_BLOCK = 4096
 GPU_NUM_WARPS = 8
 # float64: the same block over twice the threads, 8 doubles a thread. With 8 warps its variants
 # took up to 66 registers per thread (sm_90) and triton 3.8's clip pass spilled; with 16, 40.
+# Also the clip's write pass with statistics (8 warps: up to 72 registers with bf16; 16: 40).
 GPU_NUM_WARPS_FP64 = 16
 INTERPRETER_BLOCK = 1 << 16  # each interpreted program costs milliseconds: few, large blocks
 _GPU_OPTIONS = {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
@@ -70,11 +75,12 @@ def _inv_scale(inv_scale_ptr, INV_FROM_SCALE: tl.constexpr, FP64: tl.constexpr):
 
 
 @triton.jit
-def _block_pass(ptrs, mask, inv, coef, HAS_MASK: tl.constexpr, WRITE: tl.constexpr,
+def _block_pass(ptrs, mask, inv, coef, stats_ptr, HAS_MASK: tl.constexpr, WRITE: tl.constexpr,
                 BF16_BITS: tl.constexpr, FP64: tl.constexpr, ROUND: tl.constexpr,
-                NORM: tl.constexpr, CLIP: tl.constexpr):
-    """One block: (saw a non-finite value, the block's norm partial). ``HAS_MASK=False``: a
-    full block, loaded and stored without a mask (16-byte vector accesses when aligned)."""
+                NORM: tl.constexpr, CLIP: tl.constexpr, STATS: tl.constexpr):
+    """One block: (saw a non-finite value, the block's norm partial); with ``STATS`` its
+    statistics stored at ``stats_ptr``. ``HAS_MASK=False``: a full block, loaded and stored
+    without a mask (16-byte vector accesses when aligned)."""
     if HAS_MASK:
         raw = tl.load(ptrs, mask=mask, other=0)
     else:
@@ -88,6 +94,7 @@ def _block_pass(ptrs, mask, inv, coef, HAS_MASK: tl.constexpr, WRITE: tl.constex
     y = x * inv
     if ROUND:  # the unscaled gradient as stored (rounded to its dtype)
         out, value = _as_stored(y, ptrs.dtype.element_ty, BF16_BITS, FP64)
+        unscaled = value
         if CLIP:  # dtype(dtype(g * inv_scale) * clip_coef), as unscale_ + clip_grad_norm_
             out, value = _as_stored(value * coef, ptrs.dtype.element_ty, BF16_BITS, FP64)
         if WRITE:
@@ -102,6 +109,18 @@ def _block_pass(ptrs, mask, inv, coef, HAS_MASK: tl.constexpr, WRITE: tl.constex
         nonfinite = nonfinite & mask
         value = tl.where(mask, value, 0.0)
     saw = tl.max(nonfinite.to(tl.int32), axis=0)
+    if STATS:  # of the unscaled gradient as stored, before a clip (a check's rounded here)
+        if ROUND:
+            stored = unscaled
+        else:
+            _, stored = _as_stored(y, ptrs.dtype.element_ty, BF16_BITS, FP64)
+        if HAS_MASK:
+            stored = tl.where(mask, stored, 0.0)
+        is_nan = stored != stored
+        tl.store(stats_ptr, tl.sum(stored * stored, axis=0))
+        tl.store(stats_ptr + 1, tl.max(tl.where(is_nan, 0.0, tl.abs(stored)), axis=0))
+        tl.store(stats_ptr + 2, tl.sum((tl.abs(stored) == float("inf")).to(tl.int32), axis=0))
+        tl.store(stats_ptr + 3, tl.sum(is_nan.to(tl.int32), axis=0))
     if NORM == 2:  # this block's sum of squares
         partial = tl.sum(value * value, axis=0)
     elif NORM == -1:  # this block's max |x|, NaN if it saw a NaN
@@ -120,6 +139,7 @@ def unscale_kernel(
     found_inf_ptr,  # *Pointer* to the fp32 overflow flag: set to 1.0, never cleared
     coef_ptr,  # *Pointer* to the fp32 clip coefficient (CLIP)
     partial_ptr,  # *Pointer* to one norm partial per program (NORM != 0)
+    stats_ptr,  # *Pointer* to four float64 statistics per program (STATS)
     n_elements,  # Elements of the flat buffer (USE_TABLE=False)
     BLOCK: tl.constexpr,  # Elements per program
     USE_TABLE: tl.constexpr,  # Program p covers chunk p of the table, not block p of a buffer
@@ -131,6 +151,7 @@ def unscale_kernel(
     NORM: tl.constexpr,  # 2: sum of squares, -1: max |x| of the unscaled values, 0: none
     CLIP: tl.constexpr,  # Also multiply by the clip coefficient before storing
     INV_FROM_SCALE: tl.constexpr,  # Form inv_scale on the device as fp32(1 / fp64(scale))
+    STATS: tl.constexpr,  # Also store the program's statistics (a watched scaler's pass)
 ):
     pid = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, BLOCK)
@@ -148,12 +169,14 @@ def unscale_kernel(
     # which triton's launcher specialises on) runs mask-free with vector loads and stores.
     if (length >= BLOCK) & (start % VEC == 0):
         aligned = tl.multiple_of(start, VEC)
-        saw, partial = _block_pass(grad_ptr + aligned + idx, idx < BLOCK, inv, coef, False,
-                                   WRITE, BF16_BITS, FP64, ROUND, NORM, CLIP)
+        saw, partial = _block_pass(grad_ptr + aligned + idx, idx < BLOCK, inv, coef,
+                                   stats_ptr + 4 * pid, False, WRITE, BF16_BITS, FP64, ROUND,
+                                   NORM, CLIP, STATS)
     else:  # masked; the bound compared in 32 bits: 40 registers, not 80 (sm_90, triton 3.6)
         in_chunk = idx < tl.minimum(length, BLOCK).to(tl.int32)
-        saw, partial = _block_pass(grad_ptr + start + idx, in_chunk, inv, coef, True,
-                                   WRITE, BF16_BITS, FP64, ROUND, NORM, CLIP)
+        saw, partial = _block_pass(grad_ptr + start + idx, in_chunk, inv, coef,
+                                   stats_ptr + 4 * pid, True, WRITE, BF16_BITS, FP64, ROUND,
+                                   NORM, CLIP, STATS)
     tl.store(found_inf_ptr, 1.0, mask=saw > 0)
     if NORM != 0:
         tl.store(partial_ptr + pid, partial)
@@ -188,6 +211,7 @@ def launch_unscale(
     clip_coef: torch.Tensor | None = None,
     inv_from_scale: bool = False,
     base: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Unscale (``write=True``) or only check (``write=False``) the grads of ``plan``.
 
@@ -205,6 +229,10 @@ def launch_unscale(
         inv_from_scale: see ``inv_scale``.
         base: the launch's base grad when ``plan`` is a kept template (which holds none):
             the grad at the template's ``base_index`` in a list laid out as its own.
+        stats: float64 ``[plan.grid, 4]`` (contiguous): each program's sum of squares, max
+            ``|x|`` of the values that are not NaN, inf count and NaN count, of the unscaled
+            (dtype-rounded) grads before a clip; finished per tensor by
+            :func:`.stats.launch_finish_stats`.
 
     Returns:
         With ``norm``, a 0-d float32 (float64 for float64 grads) device tensor; else None.
@@ -233,12 +261,14 @@ def launch_unscale(
         base.view(torch.int16) if bf16_bits else base,
         found_inf if plan.table is None else plan.table,
         inv_scale, found_inf, found_inf if clip_coef is None else clip_coef, partials,
+        found_inf if stats is None else stats,
     ), (plan.n,), dict(
         BLOCK=INTERPRETER_BLOCK if interpreting else GPU_BLOCK, USE_TABLE=plan.table is not None,
         WRITE=write, BF16_BITS=bf16_bits, VEC=16 // base.element_size(), FP64=fp64,
         ROUND=write or norm != 0, NORM=norm, CLIP=clip_coef is not None,
-        INV_FROM_SCALE=inv_from_scale,
-    ), _INTERPRETER_OPTIONS if interpreting else _GPU_OPTIONS_FP64 if fp64 else _GPU_OPTIONS)
+        INV_FROM_SCALE=inv_from_scale, STATS=stats is not None,
+    ), _INTERPRETER_OPTIONS if interpreting else
+        _GPU_OPTIONS_FP64 if fp64 or stats is not None and clip_coef is not None else _GPU_OPTIONS)
     if write:
         for g, c in plan.copies:
             g.copy_(c)

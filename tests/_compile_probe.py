@@ -20,6 +20,7 @@ import triton.backends.nvidia  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton_scaler.kernels.stats import ROWS_BLOCK, finish_stats_kernel  # noqa: E402
 from triton_scaler.kernels.unscale import (  # noqa: E402
     GPU_BLOCK,
     GPU_NUM_WARPS,
@@ -131,10 +132,11 @@ def _sass_facts(cubin: bytes) -> list[str]:
 def _unscale_signature(dtype):
     return {"grad_ptr": f"*{dtype}", "table_ptr": "*i64",
             "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "coef_ptr": "*fp32",
-            "partial_ptr": "*fp32" if dtype != "fp64" else "*fp64", "n_elements": "i64",
+            "partial_ptr": "*fp32" if dtype != "fp64" else "*fp64", "stats_ptr": "*fp64",
+            "n_elements": "i64",
             **{name: "constexpr" for name in ("BLOCK", "USE_TABLE", "WRITE", "BF16_BITS",
                                               "VEC", "FP64", "ROUND", "NORM", "CLIP",
-                                              "INV_FROM_SCALE")}}
+                                              "INV_FROM_SCALE", "STATS")}}
 
 
 def main():
@@ -154,7 +156,7 @@ def main():
                               "BF16_BITS": False,
                               "VEC": 16 // {"fp32": 4, "fp16": 2, "bf16": 2, "fp64": 8}[dtype],
                               "FP64": dtype == "fp64", "ROUND": write, "NORM": 0,
-                              "CLIP": False, "INV_FROM_SCALE": False}
+                              "CLIP": False, "INV_FROM_SCALE": False, "STATS": False}
                 key = f"unscale/{dtype}/{'table' if use_table else 'flat'}/" \
                       f"{'write' if write else 'check'}"
                 facts[key] = _compile(unscale_kernel, signature, constexprs, aligned_size, warps)
@@ -173,6 +175,18 @@ def main():
                         facts[f"clip/{dtype}/{'table' if use_table else 'flat'}/{name}"] = \
                             _compile(unscale_kernel, signature, {**constexprs, **extra},
                                      aligned_ptr if use_table else aligned_size, warps)
+                # a watched scaler's passes: unscale_ / the check, and the clip's write pass
+                for name, extra in (("unscale", dict(INV_FROM_SCALE=True)),
+                                    ("clip", dict(ROUND=True, CLIP=True, INV_FROM_SCALE=True))):
+                    if write or name == "unscale":
+                        facts[f"stats/{dtype}/{'table' if use_table else 'flat'}/"
+                              f"{'write' if write else 'check'}/{name}"] = _compile(
+                            unscale_kernel, signature, {**constexprs, **extra, "STATS": True},
+                            aligned_ptr, GPU_NUM_WARPS_FP64 if name == "clip" else warps)
+    facts["stats/finish"] = _compile(
+        finish_stats_kernel, {"partials_ptr": "*fp64", "bounds_ptr": "*i64", "rows_ptr": "*i64",
+                              "out_ptr": "*fp64", "ROWS_BLOCK": "constexpr"},
+        {"ROWS_BLOCK": ROWS_BLOCK}, {}, 1)
     for hysteresis in (False, True):
         signature = {"scale_ptr": "*fp32", "growth_tracker_ptr": "*i32",
                      "found_inf_ptr": "*fp32", "hysteresis_tracker_ptr": "*i32",

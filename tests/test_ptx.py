@@ -25,8 +25,9 @@ def ptx_facts():
 
 def test_every_variant_compiles(ptx_facts):
     # 16 dtype x path x mode, 6 unaligned-size flat, 2 inv-from-scale, 24 clip (dtype x path
-    # x pass), 4 update
-    assert len(ptx_facts) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4
+    # x pass), 24 with statistics (dtype x path x unscale / check / clip write), 1 finishing,
+    # 4 update
+    assert len(ptx_facts) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4 * 2 * 3 + 1 + 4
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -171,8 +172,9 @@ def test_every_variant_keeps_half_an_sm_busy(ptx_facts):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
 def test_gpu_launches_pass_what_the_probe_compiles(monkeypatch, dtype):
-    """What a GPU launch passes is what these tests compiled: 8 warps, float64 16 (its 8-warp
-    variants took up to 66 registers and spilled with triton 3.8's ptxas), no FMA fusion, the
+    """What a GPU launch passes is what these tests compiled: 8 warps, float64 and the clip's
+    write pass with statistics 16 (their 8-warp variants took up to 66 and 72 registers;
+    float64's spilled with triton 3.8's ptxas), no FMA fusion, the
     GPU block (the plan cut in it too) and 16-byte vectors."""
     import torch
     from triton_scaler.kernels import unscale
@@ -184,11 +186,17 @@ def test_gpu_launches_pass_what_the_probe_compiles(monkeypatch, dtype):
     monkeypatch.setattr(unscale, "launch", lambda *args: seen.append(args[1:2] + args[-2:]))
     sizes = (5, unscale.GPU_BLOCK + 3)  # 1 + 2 programs of the GPU block
     grads = [torch.ones(n, dtype=getattr(torch, dtype)) for n in sizes]
-    for norm, coef in ((0, None), (2, None), (0, torch.ones(()))):
+    stats = torch.zeros((3, 4), dtype=torch.float64)
+    cases = ((0, None, None), (2, None, None), (0, torch.ones(()), None), (0, None, stats),
+             (0, torch.ones(()), stats))
+    for norm, coef, with_stats in cases:
         unscale.launch_unscale(plan_unscale(grads), torch.zeros(()), torch.ones(()), norm=norm,
-                               clip_coef=coef)
+                               clip_coef=coef, stats=with_stats)
     warps = unscale.GPU_NUM_WARPS_FP64 if dtype == "float64" else unscale.GPU_NUM_WARPS
-    assert [options for *_, options in seen] == [{"num_warps": warps, "enable_fp_fusion": False}] * 3
+    # the clip's write pass with statistics: 16 warps (as the probe compiles it)
+    expected = [warps] * 4 + [unscale.GPU_NUM_WARPS_FP64]
+    assert [options for *_, options in seen] == [{"num_warps": w, "enable_fp_fusion": False}
+                                                 for w in expected]
     vec = 16 // grads[0].element_size()
     assert [(grid, c["BLOCK"], c["VEC"], c["BF16_BITS"]) for grid, c, _ in seen] == \
-        [(3, unscale.GPU_BLOCK, vec, False)] * 3
+        [(3, unscale.GPU_BLOCK, vec, False)] * 5

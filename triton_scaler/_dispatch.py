@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------- the scaler's device work
 def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor,
                   backend: str, write: bool, *, from_scale: bool = False, norm: int = 0,
-                  clip_coef: torch.Tensor | None = None) -> torch.Tensor | None:
+                  clip_coef: torch.Tensor | None = None,
+                  stats: torch.Tensor | None = None) -> torch.Tensor | None:
     """Unscale (or only check) one :class:`GradGroup` (grads of one device and dtype), with no
     argument checks: the scaler, which groups grads as torch does, guarantees them.
 
@@ -55,7 +56,8 @@ def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor
     (``fp32(1 / fp64(scale))``); else it is ``inv_scale``. ``clip_grad_norm_``'s passes, on the
     Triton backend only: ``norm`` (2 or -1, ``write=False``) returns the group's sum of
     squares (max ``|x|``) of the unscaled grads; ``clip_coef`` also multiplies them by it
-    before storing. Returns None otherwise. No host sync."""
+    before storing. Returns None otherwise. ``stats`` (a group with a plan, eager code): the
+    launch also stores its programs' statistics there (:func:`finish_stats`). No host sync."""
     if is_traced():
         inv_scale = reference.inv_scale_of(scale) if from_scale else scale
         if norm:
@@ -77,7 +79,7 @@ def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor
         kernels = _backend.loaded_kernels or triton_kernels()
         return kernels.launch_unscale(plan, found_inf, scale, write=write, norm=norm,
                                       clip_coef=clip_coef, inv_from_scale=from_scale,
-                                      base=group.base)
+                                      base=group.base, stats=stats)
     if norm or clip_coef is not None:
         raise ValueError("the clip's fused passes run on the Triton backend only")
     _reference_unscale(group.grads, found_inf,
@@ -91,6 +93,15 @@ def _reference_unscale(grads: list[torch.Tensor], found_inf: torch.Tensor,
         reference.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
     else:
         reference.check_(grads, found_inf, inv_scale)
+
+
+def finish_stats(partials: torch.Tensor, bounds: torch.Tensor, rows: torch.Tensor,
+                 out: torch.Tensor) -> None:
+    """A watched scaler's per-tensor statistics from its launches' per-program ones (the
+    ``stats`` of :func:`unscale_group`): one launch, rows ``(amax, sum of squares, inf count, NaN
+    count, 1)`` of ``out``; see :func:`triton_scaler.kernels.launch_finish_stats`. No host
+    sync."""
+    (_backend.loaded_kernels or triton_kernels()).launch_finish_stats(partials, bounds, rows, out)
 
 
 def note_backward(token: torch.Tensor) -> None:

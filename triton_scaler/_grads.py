@@ -70,10 +70,11 @@ class GradGroup:
     ``zero_grad(set_to_none=True)`` must free."""
 
     __slots__ = ("device", "grads", "numels", "addresses", "plan", "base", "reference",
-                 "padding", "mesh_groups")
+                 "padding", "mesh_groups", "params", "indices", "bucket")
 
     def __init__(self, device, grads, numels=None, addresses=None, plan=None, base=None,
-                 padding=None, mesh_groups=None, reference=False) -> None:
+                 padding=None, mesh_groups=None, reference=False, params=None,
+                 indices=None, bucket=None) -> None:
         self.device, self.grads, self.numels, self.addresses = device, grads, numels, addresses
         # base: the launch's base grad when ``plan`` is a kept template (which holds none)
         self.plan, self.base = plan, base
@@ -82,6 +83,10 @@ class GradGroup:
         # DTensor grads: the groups they are sharded over (() when replicated: whole on every
         # rank); None for plain grads (a clip's shards over its shard_group, when given)
         self.mesh_groups = mesh_groups
+        # where known (a kept layout's group): grads[k] is params[indices[k]].grad, both
+        # objects the layout's own (the same each step); a bucket's group (``bucket``, whose
+        # one grad is the bucket's buffer): its parameters, indices set while each got a grad
+        self.params, self.indices, self.bucket = params, indices, bucket
 
     def launch_target(self) -> UnscalePlan:
         """What :func:`triton_scaler.kernels.launch_unscale` takes for this group: the plan,
@@ -100,7 +105,9 @@ class _Layout:
         self.n_buckets = len(self.buckets)
         # (the buffers live as long as the buckets)
         self.bucket_groups = [GradGroup(b.device, [b.buffer], (b.buffer.numel(),),
-                                        padding=b.padding) for b in self.buckets]
+                                        padding=b.padding, params=b.params, bucket=b)
+                              for b in self.buckets]
+        self.bucket_indices = [list(range(len(b.params))) for b in self.buckets]
         params = list(_live_params(optimizer))
         live = frozenset(map(id, params))
         # a bucket holding a parameter the optimizer no longer has (replaced by a new list)
@@ -240,7 +247,8 @@ def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str
     fp16 = torch.float16
     flat: list[GradGroup] = []
     helds = []
-    for bucket, group, live in zip(layout.buckets, layout.bucket_groups, layout.bucket_live):
+    for bucket, group, live, indices in zip(layout.buckets, layout.bucket_groups,
+                                            layout.bucket_live, layout.bucket_indices):
         held = bucket.attach_grads()  # also gives grad None where no gradient came
         if not live:
             held = frozenset()
@@ -248,6 +256,7 @@ def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str
         if held:  # no grad in the bucket: no launch and no found_inf entry, as in torch
             if bucket.dtype == fp16 and not allow_fp16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
+            group.indices = indices if held is bucket.param_ids else None
             flat.append(group)
     if helds and any(held is not ids for held, ids in helds):  # grads outside their bucket
         covered = frozenset().union(*(held for held, _ in helds))
@@ -293,21 +302,22 @@ def _groups_fast(layout: _Layout, params: list[torch.Tensor],
     stored = _plan_store.lookup(key)
     if stored is not None and stored.fit(grads):
         groups = []
-        for (device, _, pick, _), (index, template) in zip(layout.plain_groups,
-                                                            stored.launches):
+        for (device, _, pick, indices), (index, template) in zip(layout.plain_groups,
+                                                                  stored.launches):
             members = pick(grads)
             base = grads[index]  # the group's first non-empty grad (reference: its first)
             if base.device != device:
                 break
             groups.append(GradGroup(device, members, plan=template, base=base,
-                                    reference=template is None))
+                                    reference=template is None, params=params,
+                                    indices=indices))
         else:
             return groups
-    return _groups_planned(layout, key, grads)
+    return _groups_planned(layout, key, grads, params)
 
 
-def _groups_planned(layout: _Layout, key: tuple, grads: list[torch.Tensor]
-                    ) -> list[GradGroup] | None:
+def _groups_planned(layout: _Layout, key: tuple, grads: list[torch.Tensor],
+                    params: list[torch.Tensor]) -> list[GradGroup] | None:
     """New launch plans (a chunk table each) after checking every grad's type, dtype,
     device and size; stored for the next step's :func:`_groups_fast`."""
     if set(map(type, grads)) != {torch.Tensor}:
@@ -326,7 +336,8 @@ def _groups_planned(layout: _Layout, key: tuple, grads: list[torch.Tensor]
                 members[0].device != device:
             layout.signature = None  # parameters converted in place: rebuild next step
             return None
-        group = GradGroup(device, members, tuple(pick(numels)), tuple(pick(addresses)))
+        group = GradGroup(device, members, tuple(pick(numels)), tuple(pick(addresses)),
+                          params=params, indices=indices)
         if resolve_backend(backend, device) == "triton":
             plan = group.launch_target()
             launches.append((indices[plan.base_index], plan.template()) if plan.reusable

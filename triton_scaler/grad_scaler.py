@@ -316,10 +316,19 @@ class GradScaler(ScalerStateMixin):
         torch._C._set_grad_enabled(False)
         try:
             groups, mesh_groups = collect_grads(optimizer, allow_fp16, self._backend, write)
-            for group in groups:
-                device = group.device
-                unscale_group(group, found_for.get(device), inv_for.get(device), self._backend,
-                              write, from_scale=from_scale)
+            watch = self._watch
+            if watch is None:
+                for group in groups:
+                    device = group.device
+                    unscale_group(group, found_for.get(device), inv_for.get(device),
+                                  self._backend, write, from_scale=from_scale)
+            else:  # the launches also store the watched grads' statistics
+                fused = watch._fused_pass(optimizer, groups, self._scale)
+                for group, stats in zip(fused.launched, fused.slices):
+                    device = group.device
+                    unscale_group(group, found_for.get(device), inv_for.get(device),
+                                  self._backend, write, from_scale=from_scale, stats=stats)
+                watch._finish(fused)
             if write:
                 self._note_written_padding(optimizer, groups)
             if mesh_groups:
@@ -354,10 +363,10 @@ class GradScaler(ScalerStateMixin):
                 attach_bucket_grads(optimizer)
             return
         state = self._ready_to_unscale(optimizer, "unscale_")
-        if self._watch is not None:
-            self._watch_grads(optimizer)
         found_inf = self._found_inf_flag(state)
         if self._overrides_unscale_grads():  # as torch: its inv_scale, through the override
+            if self._watch is not None:
+                self._watch_grads(optimizer)
             per_device = self._unscale_grads_(optimizer, reference.inv_scale_of(self._scale),
                                               found_inf, self._unscales_fp16)
         else:  # the kernels form inv_scale from the scale (no extra op)
@@ -389,10 +398,10 @@ class GradScaler(ScalerStateMixin):
         """Read-only inf/NaN check of the optimizer's grads (the fused-optimizer route)."""
         self._check_state("_check_inf_per_device")
         state = self._per_optimizer_states[id(optimizer)]
-        if self._watch is not None:
-            self._watch_grads(optimizer)
         found_inf = self._found_inf_flag(state)
         if self._overrides_unscale_grads():  # as torch: an unscale by 1.0 through the override
+            if self._watch is not None:
+                self._watch_grads(optimizer)
             ones = torch.ones((), dtype=torch.float32, device=self._scale.device)
             written = state.get("written_padding")  # by an unscale_ before: may be NaN
             state["found_inf_per_device"] = self._unscale_grads_(optimizer, ones, found_inf, True)
@@ -755,15 +764,18 @@ class GradScaler(ScalerStateMixin):
             return clip_unscaled(params, max_norm, norm_type, shard_group, device,
                                  error_if_nonfinite)
         state = self._ready_to_unscale(optimizer, "unscale_")  # torch's unscale_ errors
-        if self._watch is not None:
-            self._watch_grads(optimizer)
         found_for = PerDevice(self._found_inf_flag(state))
         with torch.no_grad():
             groups, mesh_groups = collect_grads(optimizer, self._unscales_fp16, self._backend,
                                                 True)
+            watch = self._watch
+            fused = None if watch is None else watch._fused_pass(optimizer, groups,
+                                                                 self._scale)
             total, nonfinite = fused_clip(optimizer, groups, mesh_groups, found_for,
                                           self._scale, self._backend, max_norm, norm_type,
-                                          shard_group, error_if_nonfinite)
+                                          shard_group, error_if_nonfinite, fused)
+            if fused is not None:
+                watch._finish(fused)
             # a bucket's padding times a NaN coefficient (a non-finite norm: an overflow) or
             # an infinite inv_scale is NaN: zeroed again in update() after an overflow
             self._note_written_padding(optimizer, groups)

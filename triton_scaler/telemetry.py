@@ -13,9 +13,16 @@ from typing import Any
 
 import torch
 
+from ._backend import triton_kernels
+from ._dispatch import finish_stats
+from ._grads import GradGroup
+from ._plans import plan_unscale
+from .reference import inv_scale_of
+
 __all__ = ["GradWatch", "WatchReport", "Overflow", "SkippedStepsError"]
 
-_AMAX, _NORM, _INF, _NAN = range(4)  # the columns of a watch's per-parameter stats (then: seen)
+#: the columns of a watch's per-parameter stats (then: seen); the norm's square is kept
+_AMAX, _SUMSQ, _INF, _NAN = range(4)
 
 
 class SkippedStepsError(RuntimeError):
@@ -214,6 +221,7 @@ class GradWatch:
         #: same rows every step: uploaded once)
         self._rows: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._seen_any: set[int] | None = set()  # until the first update: which were seen
+        self._passes: dict[int, _FusedPass] = {}  # by id(optimizer)
         self._updates = 0
         self._closed = False
 
@@ -224,9 +232,9 @@ class GradWatch:
             n = len(self.names)
             stats = torch.zeros((n, 5), dtype=torch.float64, device=device)
             stats[:, _AMAX] = math.nan
-            stats[:, _NORM] = math.nan
+            stats[:, _SUMSQ] = math.nan
             state = self._state = {
-                "stats": stats,  # amax, norm, inf, nan, seen (float64: exact counts)
+                "stats": stats,  # amax, norm**2, inf, nan, seen (float64: exact counts)
                 # the rows of a parameter without a grad, and of an empty grad
                 "fill": torch.tensor([[math.nan, math.nan, 0.0, 0.0, 0.0],
                                       [0.0, 0.0, 0.0, 0.0, 1.0]], dtype=torch.float64,
@@ -243,27 +251,32 @@ class GradWatch:
         """Record the stats of the watched grads of ``optimizer``, still scaled, times
         ``inv_scale`` (the values an unscale by it gives, bit for bit). Device ops only: a
         fixed number of ``torch._foreach`` ops per dtype (and per 2**26 elements)."""
+        self._observe_rows(self._watched_in(optimizer), inv_scale)
+
+    def _watched_in(self, optimizer: Any, skip: set[int] | frozenset = frozenset()
+                    ) -> list[tuple[int, torch.Tensor]]:
+        """``(row, parameter)`` of each watched parameter of ``optimizer`` (not in ``skip``)."""
         index = self._index
-        found = False
+        return [(i, p) for group in optimizer.param_groups for p in group["params"]
+                if (i := index.get(id(p))) is not None and i not in skip]
+
+    def _observe_rows(self, watched: list[tuple[int, torch.Tensor]],
+                      inv_scale: torch.Tensor) -> None:
+        """:meth:`_observe` of the ``(row, parameter)`` pairs ``watched``."""
         no_grad: list[int] = []
         empty: list[int] = []
         groups: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                i = index.get(id(p))
-                if i is None:
-                    continue
-                found = True
-                grad = p.grad
-                if grad is None:
-                    no_grad.append(i)
-                elif grad.numel() == 0:
-                    empty.append(i)
-                else:
-                    rows, grads = groups.setdefault(grad.dtype, ([], []))
-                    rows.append(i)
-                    grads.append(grad)
-        if not found:
+        for i, p in watched:
+            grad = p.grad
+            if grad is None:
+                no_grad.append(i)
+            elif grad.numel() == 0:
+                empty.append(i)
+            else:
+                rows, grads = groups.setdefault(grad.dtype, ([], []))
+                rows.append(i)
+                grads.append(grad)
+        if not watched:
             return
         state = self._device_state(inv_scale.device)
         device = state["stats"].device
@@ -282,6 +295,76 @@ class GradWatch:
                                    torch.cat(values))
         if self._seen_any is not None:
             self._seen_any.update(written)
+
+    def _fused_pass(self, optimizer: Any, groups: list, scale: torch.Tensor) -> _FusedPass:
+        """Before a call's launches over ``groups`` (the optimizer's grads, collected): the
+        statistics buffer each Triton launch stores into (``.slices``, None for a group that
+        does not), and the stats of the watched grads no launch covers recorded by torch's
+        ops now (a group on the reference path or another device, a gradient bucket, grads
+        that share memory). Kept per optimizer while its groups launch the same plans (a
+        training loop's steady state: no host work per parameter). Then :meth:`_finish`."""
+        kept = self._passes.get(id(optimizer))
+        if kept is None or not kept.fits(groups):
+            kept = self._passes[id(optimizer)] = self._plan_pass(optimizer, groups,
+                                                                 scale.device)
+        if kept.fallback:
+            self._observe_rows(kept.fallback, inv_scale_of(scale))
+        # this call's groups, each bucket's as its parameters' views
+        kept.launched = groups if not kept.stand_ins else \
+            [group if stand_in is None else stand_in
+             for group, stand_in in zip(groups, kept.stand_ins)]
+        return kept
+
+    def _plan_pass(self, optimizer: Any, groups: list, device: torch.device) -> _FusedPass:
+        index = self._index
+        stats_device = self._device_state(device)["stats"].device
+        slots: list[tuple[int, int] | None] = []
+        stand_ins: list = []
+        bounds: list[tuple[int, int]] = []
+        rows: list[int] = []
+        programs = 0
+        for group in groups:
+            plan, indices = group.plan, group.indices
+            ranges = None
+            stand_in = None
+            if plan is not None and indices is not None and group.device == stats_device:
+                bucket = group.bucket
+                if bucket is not None:  # its parameters' views, one run of programs each
+                    views = [bucket.view(i) for i in indices]
+                    group = stand_in = GradGroup(group.device, views, params=group.params,
+                                                 indices=indices, plan=plan_unscale(views))
+                    plan = group.plan
+                if plan.reusable:
+                    ranges = _program_ranges(plan, group.grads, triton_kernels().unscale.block())
+            stand_ins.append(stand_in if ranges is not None else None)
+            if ranges is None:
+                slots.append(None)
+                continue
+            for k, (begin, end) in enumerate(ranges):
+                row = index.get(id(group.params[indices[k]]))
+                if row is not None:
+                    rows.append(row)
+                    bounds.append((programs + begin, programs + end))
+            slots.append((programs, plan.grid))
+            programs += plan.grid
+        covered = set(rows)
+        fallback = self._watched_in(optimizer, covered)
+        if self._seen_any is not None:
+            self._seen_any.update(covered)
+        partials = torch.empty((programs, 4), dtype=torch.float64, device=stats_device)
+        return _FusedPass(
+            groups, stand_ins if any(x is not None for x in stand_ins) else [],
+            [None if slot is None else partials[slot[0]:slot[0] + slot[1]] for slot in slots],
+            partials,
+            torch.tensor(bounds, dtype=torch.int64).reshape(-1, 2).to(stats_device),
+            torch.tensor(rows, dtype=torch.int64).to(stats_device), fallback)
+
+    def _finish(self, fused: _FusedPass) -> None:
+        """After the launches of :meth:`_fused_pass`: each covered tensor's statistics from
+        its programs' (one launch; none when no launch stored any)."""
+        if fused.rows.numel():
+            finish_stats(fused.partials, fused.bounds, fused.rows,
+                         self._device_state(fused.partials.device)["stats"])
 
     def _row_index(self, rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """``rows`` as a device index tensor: the one made for the last call when the rows
@@ -361,7 +444,8 @@ class GradWatch:
         scale_now, skipped = values[-2], int(values[-1])
         counters[4].fill_(0)  # the longest run of skipped steps: since this report
         columns = [values[k * n:(k + 1) * n] for k in range(7)]
-        amax, norm, inf, nan, seen, over_inf, over_nan = columns
+        amax, sumsq, inf, nan, seen, over_inf, over_nan = columns
+        norm = [math.sqrt(x) if x >= 0 else x for x in sumsq]  # NaN: never seen, or NaN
         last_step, last_scale, iteration, run, most = values[7 * n:7 * n + 5]
         names = self.names
         last_overflow = None
@@ -404,6 +488,52 @@ class GradWatch:
         return f"GradWatch({len(self.names)} parameters{', closed' if self._closed else ''})"
 
 
+class _FusedPass:
+    """One optimizer's launches as a watch reads them (:meth:`GradWatch._fused_pass`)."""
+
+    __slots__ = ("plans", "indices", "stand_ins", "launched", "slices", "partials",
+                 "bounds", "rows", "fallback")
+
+    def __init__(self, groups: list, stand_ins: list, slices: list, partials: torch.Tensor,
+                 bounds: torch.Tensor, rows: torch.Tensor,
+                 fallback: list[tuple[int, torch.Tensor]]) -> None:
+        # what tells a later call's groups launch the same plans over the same parameters
+        self.plans = [group.plan for group in groups]
+        self.indices = [group.indices for group in groups]
+        # per group (empty: none), what launches in a gradient bucket's place: its
+        # parameters' views (the same elements and results, one run of programs each)
+        self.stand_ins = stand_ins
+        self.launched: list = groups  # the call's groups to launch, set by _fused_pass
+        self.slices, self.partials, self.bounds, self.rows = slices, partials, bounds, rows
+        self.fallback = fallback  # (row, parameter) of the watched grads no launch covers
+
+    def fits(self, groups: list) -> bool:
+        """``groups`` launch these plans (the same objects) over the same parameters."""
+        if len(groups) != len(self.plans):
+            return False
+        for group, plan, indices in zip(groups, self.plans, self.indices):
+            if group.plan is not plan or group.indices is not indices:
+                return False
+        return True
+
+
+def _program_ranges(plan: Any, grads: list[torch.Tensor], block: int
+                    ) -> list[tuple[int, int]] | None:
+    """Each of ``grads``' programs ``[begin, end)`` in ``plan`` (a launch over them in chunks
+    of ``block``; empty for an empty grad), or None where its programs are not one run per
+    grad in order (grads that share memory, covered once)."""
+    numels = [g.numel() for g in grads]
+    if plan.table is None:
+        if sum(1 for n in numels if n) != 1:
+            return None
+        return [(0, plan.grid) if n else (0, 0) for n in numels]
+    ranges, end = [], 0
+    for n in numels:
+        begin, end = end, end + -(-n // block)
+        ranges.append((begin, end))
+    return ranges if end == plan.grid else None
+
+
 _CHUNK_ELEMENTS = 2**26  # the statistics' temporaries: at most twice this many elements
 
 
@@ -422,7 +552,7 @@ def _chunks(grads: list[torch.Tensor]) -> list[tuple[int, int]]:
 
 def _grad_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
-    """``[amax, norm, inf count, NaN count, 1]`` per grad (float64 rows) of ``grad *
+    """``[amax, norm**2, inf count, NaN count, 1]`` per grad (float64 rows) of ``grad *
     inv_scale``, for non-empty ``grads`` of ``dtype``: amax and the counts as torch computes
     them from the unscaled grad, the norm accumulated in float32 (float64 for float64 grads).
     Nine ``torch._foreach`` ops, whatever the number of grads."""
@@ -437,5 +567,5 @@ def _grad_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor,
     torch._foreach_sub_(finite, finite)  # NaN where NaN, else 0
     nan = torch._foreach_norm(finite, 0)
     nonfinite_t, nan_t = torch.stack(nonfinite).double(), torch.stack(nan).double()
-    return torch.stack([torch.stack(amax).double(), torch.stack(norm).double(),
+    return torch.stack([torch.stack(amax).double(), torch.stack(norm).double().square(),
                         nonfinite_t - nan_t, nan_t, torch.ones_like(nan_t)], dim=1)
