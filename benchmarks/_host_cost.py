@@ -274,19 +274,52 @@ def row(n: int, index: int, host_layout: str = "heap") -> str:
             f"{tc['kernels']} + {tc['other_ops']} |")
 
 
-def main(sizes: tuple[int, ...], host_layout: str) -> None:
+def measure_watch(n_params: int, flags: dict, repeats: int = 30, cold: bool = False,
+                  host_layout: str = "dense") -> dict:
+    """Ours with ``scaler.watch`` over every parameter against ours without, timed in the
+    same process as :func:`measure_pair` times two scalers; launches per step of each."""
+    flags = {**flags, "host_layout": host_layout}
+    with noop_launches():
+        pairs = [make_step("ours", n_params, watch=True, **flags),
+                 make_step("ours", n_params, **flags)]
+        _settle()
+        for _, step in pairs:
+            step()
+        watched, plain = _timed(pairs, repeats, cold)
+    return {"watched": statistics.median(watched), "plain": statistics.median(plain),
+            "ratio": statistics.median(a / b for a, b in zip(watched, plain)),
+            "watched_counts": _counted("ours", n_params, watch=True, **flags),
+            "plain_counts": _counted("ours", n_params, **flags)}
+
+
+def watch_row(n: int, index: int, host_layout: str = "dense") -> str:
+    """One row of the watch's table: PAIRS[index]'s case of ours at ``n`` parameters."""
+    label, ours, _ = PAIRS[index]
+    w = measure_watch(n, ours, host_layout=host_layout)
+    c = measure_watch(n, ours, cold=True, host_layout=host_layout)
+    wc, pc = w["watched_counts"], w["plain_counts"]
+    return (f"| {n} | {label.split(' (')[0]} | {w['watched'] * 1e6:.0f} | "
+            f"{w['plain'] * 1e6:.0f} | {w['ratio']:.2f} | {c['watched'] * 1e6:.0f} | "
+            f"{c['plain'] * 1e6:.0f} | {c['ratio']:.2f} | {wc['kernels']} + {wc['other_ops']} "
+            f"| {pc['kernels']} + {pc['other_ops']} |")
+
+
+def main(sizes: tuple[int, ...], host_layout: str, watch: bool = False) -> None:
     """The table; each row in a fresh process, so that no row inherits the heap of the
-    rows before it (10,000 parameters allocate and free ~320 MB per row)."""
+    rows before it (10,000 parameters allocate and free ~320 MB per row). ``watch``: the
+    watch's table (ours watched / ours), its rows the first six of PAIRS."""
     print(f"host time per step (scale+unscale_+step+update), no-op launches, torch "
           f"{torch.__version__}, host layout {host_layout}; medians of 30 steps; warm: steps "
           f"back to back, cold: CPU caches evicted before each step; one process per row")
-    print("| params | case | ours warm us | torch warm us | ratio warm | ours cold us "
-          "| torch cold us | ratio cold | ours kernels + other ops | torch kernels + other ops "
+    a, b = ("watched", "plain") if watch else ("ours", "torch")
+    print(f"| params | case | {a} warm us | {b} warm us | ratio warm | {a} cold us "
+          f"| {b} cold us | ratio cold | {a} kernels + other ops | {b} kernels + other ops "
           "|\n|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
-        for index in range(len(PAIRS)):
+        for index in range(6 if watch else len(PAIRS)):
             done = subprocess.run([sys.executable, __file__, "--host-layout", host_layout,
-                                   "--row", str(n), str(index)],
+                                   *(["--watch"] if watch else []), "--row", str(n),
+                                   str(index)],
                                   capture_output=True, text=True, check=True)
             print(done.stdout.strip(), flush=True)
 
@@ -299,8 +332,13 @@ if __name__ == "__main__":
                         help="where the tensors' data lie on the CPU (HOST_LAYOUTS)")
     parser.add_argument("--row", nargs=2, type=int, metavar=("N", "INDEX"),
                         help="one row alone: PAIRS[INDEX] at N parameters")
+    parser.add_argument("--watch", action="store_true",
+                        help="ours with scaler.watch against ours without (measure_watch), "
+                             "not against torch")
     args = parser.parse_args()
-    if args.row:
+    if args.row and args.watch:
+        print(watch_row(*args.row, host_layout=args.host_layout))
+    elif args.row:
         print(row(*args.row, host_layout=args.host_layout))
     else:
-        main(tuple(args.sizes), args.host_layout)
+        main(tuple(args.sizes), args.host_layout, args.watch)

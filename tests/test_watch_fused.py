@@ -7,6 +7,7 @@ grads, inf and NaN at the edges, every float dtype; the parameters, scale and sk
 bit as without a watch."""
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -102,7 +103,8 @@ def test_a_watched_call_adds_one_finishing_launch_and_no_other_op(interpreter, m
                                                                   route, buckets):
     """In a loop's third iteration, the unscaling call (``unscale_``, ``clip_grad_norm_``,
     or the fused route's ``step``) launches the unscale kernel as often as without a watch,
-    plus one finishing launch, and issues no other device op than without a watch."""
+    plus one finishing launch, and ``update()`` the update kernel plus one recording launch;
+    neither issues any other device op than without a watch."""
     counted = {}
     for watch in (False, True):
         params = _params(torch.float32)
@@ -112,20 +114,47 @@ def test_a_watched_call_adds_one_finishing_launch_and_no_other_op(interpreter, m
         scaler = GradScaler("cpu", backend="triton")
         if watch:
             scaler.watch([(f"p{i}", p) for i, p in enumerate(params)])
-        for _ in range(3):
-            held.zero_() if held is not None else opt.zero_grad(set_to_none=False)
-            scaler.scale(sum(p.sum() for p in params)).backward()
-            with _launches(monkeypatch) as launches, _Ops() as ops:
-                if route == "unscale":
-                    scaler.unscale_(opt)
-                elif route == "clip":
-                    scaler.clip_grad_norm_(opt, 1.0)
-                else:
+        with _launches(monkeypatch) as launches:
+            for _ in range(3):
+                held.zero_() if held is not None else opt.zero_grad(set_to_none=False)
+                scaler.scale(sum(p.sum() for p in params)).backward()
+                before = Counter(launches)
+                with _Ops() as ops:
+                    if route == "unscale":
+                        scaler.unscale_(opt)
+                    elif route == "clip":
+                        scaler.clip_grad_norm_(opt, 1.0)
+                    else:
+                        scaler.step(opt)
+                unscaling = (launches - before, dict(ops.ops))
+                if route != "fused":
                     scaler.step(opt)
-            if route != "fused":
-                scaler.step(opt)
-            scaler.update()
-        counted[watch] = (dict(launches), dict(ops.ops))
-    (plain_launches, plain_ops), (launches, ops) = counted[False], counted[True]
-    assert launches.pop("finish_stats") == 1
-    assert launches == plain_launches and ops == plain_ops, (counted)
+                before = Counter(launches)
+                with _Ops() as ops:
+                    scaler.update()
+                updating = (launches - before, dict(ops.ops))
+        counted[watch] = (dict(unscaling[0]), unscaling[1], dict(updating[0]), updating[1])
+    plain, watched = counted[False], counted[True]
+    assert watched[0].pop("finish_stats") == 1 and watched[2].pop("record_update") == 1
+    assert watched == plain, counted
+
+
+def test_a_watched_call_keeps_no_grad_alive(interpreter):
+    """After a watched ``unscale_`` and ``zero_grad()``, the iteration's grads are freed (the
+    watch keeps what it needs per layout, never the grads)."""
+    import gc
+    import weakref
+
+    params = _params(torch.float32)
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = GradScaler("cpu", backend="triton")
+    scaler.watch([(f"p{i}", p) for i, p in enumerate(params)])
+    for _ in range(2):
+        scaler.scale(sum(p.sum() for p in params)).backward()
+        grads = [weakref.ref(p.grad) for p in params]
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        gc.collect()
+        assert all(ref() is None for ref in grads)

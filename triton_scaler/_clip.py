@@ -114,15 +114,15 @@ def raise_nonfinite(norm_type: float) -> None:
 def fused_clip(optimizer: torch.optim.Optimizer, groups: list[GradGroup], mesh_groups: dict,
                found_for: PerDevice, scale: torch.Tensor, backend: str, max_norm: float,
                norm_type: float, shard_group: Any, error_if_nonfinite: bool,
-               watched: Any = None) -> tuple[torch.Tensor, bool]:
+               watched: tuple[list, list] | None = None) -> tuple[torch.Tensor, bool]:
     """Unscale and clip ``groups`` (the optimizer's grads, collected) by their total norm:
     on the Triton backend a read pass (found_inf, a norm partial per group) and a write pass
     (``dtype(dtype(g * inv_scale) * clip_coef)``); where no group runs on Triton, torch's
     unscale and torch's norm arithmetic. Returns the total norm (float32) and whether it was
     non-finite with ``error_if_nonfinite`` (one host read; the grads are then unscaled only,
     as torch raises after ``unscale_`` and before the clip). ``watched``: a watch's launches
-    (``GradWatch._fused_pass``: per group, the group whose write pass also stores the
-    statistics of ``dtype(g * inv_scale)``, and where). No host sync otherwise."""
+    (``GradWatch._fused_pass``): per group, the group whose write pass also stores the
+    statistics of ``dtype(g * inv_scale)``, and where (or None). No host sync otherwise."""
     device = scale.device
     scale_for = PerDevice(scale)
     # torch's arithmetic where no group runs on the Triton kernels
@@ -146,8 +146,7 @@ def fused_clip(optimizer: torch.optim.Optimizer, groups: list[GradGroup], mesh_g
     # float64 grad, as torch's
     coef = torch.ones_like(total) if nonfinite else \
         torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    launched, stats = (groups, [None] * len(groups)) if watched is None else \
-        (watched.launched, watched.slices)
+    launched, stats = (groups, [None] * len(groups)) if watched is None else watched
     for group, write_pass, group_stats in zip(launched, on_triton, stats):
         dev = group.device
         _apply_coef(group, found_for.get(dev), scale_for.get(dev), coef.to(dev), write_pass,

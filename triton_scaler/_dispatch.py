@@ -104,6 +104,14 @@ def finish_stats(partials: torch.Tensor, bounds: torch.Tensor, rows: torch.Tenso
     (_backend.loaded_kernels or triton_kernels()).launch_finish_stats(partials, bounds, rows, out)
 
 
+def record_update(flags: torch.Tensor, stats: torch.Tensor, overflow: torch.Tensor,
+                  counters: torch.Tensor, scale: torch.Tensor, skips: bool) -> None:
+    """A watched scaler's ``update()`` record on the Triton backend: one launch; see
+    :func:`triton_scaler.kernels.launch_record_update`. No host sync."""
+    (_backend.loaded_kernels or triton_kernels()).launch_record_update(
+        flags, stats, overflow, counters, scale, skips)
+
+
 def note_backward(token: torch.Tensor) -> None:
     """Tell the gradient buckets that a backward follows (host only): in traced code, the
     registered op that does it where the compiled ``scale`` runs."""

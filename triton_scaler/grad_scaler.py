@@ -323,8 +323,8 @@ class GradScaler(ScalerStateMixin):
                     unscale_group(group, found_for.get(device), inv_for.get(device),
                                   self._backend, write, from_scale=from_scale)
             else:  # the launches also store the watched grads' statistics
-                fused = watch._fused_pass(optimizer, groups, self._scale)
-                for group, stats in zip(fused.launched, fused.slices):
+                fused, launched = watch._fused_pass(optimizer, groups, self._scale)
+                for group, stats in zip(launched, fused.slices):
                     device = group.device
                     unscale_group(group, found_for.get(device), inv_for.get(device),
                                   self._backend, write, from_scale=from_scale, stats=stats)
@@ -603,7 +603,7 @@ class GradScaler(ScalerStateMixin):
                 extra.copy_(torch.maximum(extra, (agreed != 0).float()))
         policy = self._policy
         if self._watch is not None:  # the overflow and the scale it came at
-            self._watch._record_update((flags != 0).any(), policy.skip_on_overflow, scale)
+            self._watch._record_update(flags, policy.skip_on_overflow, scale)
         at_min_scale = policy.dynamic and policy.raise_at_min_scale \
             and self._backs_off_at_min_scale(flags)
         # One launch: combine the flags, record the skip, update the scale, zero the flags.
@@ -769,11 +769,12 @@ class GradScaler(ScalerStateMixin):
             groups, mesh_groups = collect_grads(optimizer, self._unscales_fp16, self._backend,
                                                 True)
             watch = self._watch
-            fused = None if watch is None else watch._fused_pass(optimizer, groups,
-                                                                 self._scale)
+            fused, launched = (None, None) if watch is None else \
+                watch._fused_pass(optimizer, groups, self._scale)
             total, nonfinite = fused_clip(optimizer, groups, mesh_groups, found_for,
                                           self._scale, self._backend, max_norm, norm_type,
-                                          shard_group, error_if_nonfinite, fused)
+                                          shard_group, error_if_nonfinite,
+                                          None if fused is None else (launched, fused.slices))
             if fused is not None:
                 watch._finish(fused)
             # a bucket's padding times a NaN coefficient (a non-finite norm: an overflow) or

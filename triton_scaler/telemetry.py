@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ._backend import triton_kernels
-from ._dispatch import finish_stats
+from ._backend import resolve_backend, triton_kernels
+from ._dispatch import finish_stats, record_update
 from ._grads import GradGroup
 from ._plans import plan_unscale
 from .reference import inv_scale_of
@@ -296,29 +296,32 @@ class GradWatch:
         if self._seen_any is not None:
             self._seen_any.update(written)
 
-    def _fused_pass(self, optimizer: Any, groups: list, scale: torch.Tensor) -> _FusedPass:
+    def _fused_pass(self, optimizer: Any, groups: list, scale: torch.Tensor
+                    ) -> tuple[_FusedPass, list]:
         """Before a call's launches over ``groups`` (the optimizer's grads, collected): the
         statistics buffer each Triton launch stores into (``.slices``, None for a group that
         does not), and the stats of the watched grads no launch covers recorded by torch's
         ops now (a group on the reference path or another device, a gradient bucket, grads
         that share memory). Kept per optimizer while its groups launch the same plans (a
-        training loop's steady state: no host work per parameter). Then :meth:`_finish`."""
+        training loop's steady state: no host work per parameter). Returns it and the groups to
+        launch (a bucket's through its parameters' views). Then :meth:`_finish`."""
         kept = self._passes.get(id(optimizer))
         if kept is None or not kept.fits(groups):
             kept = self._passes[id(optimizer)] = self._plan_pass(optimizer, groups,
                                                                  scale.device)
         if kept.fallback:
             self._observe_rows(kept.fallback, inv_scale_of(scale))
-        # this call's groups, each bucket's as its parameters' views
-        kept.launched = groups if not kept.stand_ins else \
+        # this call's groups to launch, each bucket's as its parameters' (not kept: they hold
+        # this call's grads)
+        return kept, groups if not kept.stand_ins else \
             [group if stand_in is None else stand_in
              for group, stand_in in zip(groups, kept.stand_ins)]
-        return kept
 
     def _plan_pass(self, optimizer: Any, groups: list, device: torch.device) -> _FusedPass:
         index = self._index
         stats_device = self._device_state(device)["stats"].device
         slots: list[tuple[int, int] | None] = []
+        numels: list[tuple[int, ...] | None] = []
         stand_ins: list = []
         bounds: list[tuple[int, int]] = []
         rows: list[int] = []
@@ -328,15 +331,17 @@ class GradWatch:
             ranges = None
             stand_in = None
             if plan is not None and indices is not None and group.device == stats_device:
-                bucket = group.bucket
-                if bucket is not None:  # its parameters' views, one run of programs each
-                    views = [bucket.view(i) for i in indices]
-                    group = stand_in = GradGroup(group.device, views, params=group.params,
-                                                 indices=indices, plan=plan_unscale(views))
-                    plan = group.plan
-                if plan.reusable:
-                    ranges = _program_ranges(plan, group.grads, triton_kernels().unscale.block())
+                block = triton_kernels().unscale.block()
+                if group.bucket is None:
+                    if plan.reusable:
+                        ranges = _program_ranges(plan, group.grads, block)
+                else:
+                    stand_in, ranges = _bucket_stand_in(group, block)
+                    if stand_in is not None:
+                        group, plan = stand_in, stand_in.plan
             stand_ins.append(stand_in if ranges is not None else None)
+            numels.append(tuple(map(_NUMEL, group.grads)) if ranges is not None and
+                          stand_in is None else None)
             if ranges is None:
                 slots.append(None)
                 continue
@@ -353,7 +358,7 @@ class GradWatch:
             self._seen_any.update(covered)
         partials = torch.empty((programs, 4), dtype=torch.float64, device=stats_device)
         return _FusedPass(
-            groups, stand_ins if any(x is not None for x in stand_ins) else [],
+            groups, numels, stand_ins if any(x is not None for x in stand_ins) else [],
             [None if slot is None else partials[slot[0]:slot[0] + slot[1]] for slot in slots],
             partials,
             torch.tensor(bounds, dtype=torch.int64).reshape(-1, 2).to(stats_device),
@@ -374,15 +379,31 @@ class GradWatch:
             kept = self._rows = (rows, torch.tensor(rows, dtype=torch.int64, device=device))
         return kept[1]
 
-    def _record_update(self, found: torch.Tensor, skips: bool, scale: torch.Tensor) -> None:
-        """Before ``update()`` changes the scale: record this iteration's overflow (``found``,
-        a 0-d device bool: the scaler found inf / NaN; the step is skipped where ``skips``)
-        with ``scale``, and the run of skipped steps. Device ops only, except every
+    def _record_update(self, flags: torch.Tensor, skips: bool, scale: torch.Tensor) -> None:
+        """Before ``update()`` changes the scale: record this iteration's overflow (a
+        non-zero entry of ``flags``, the scaler's: it found inf / NaN; or a watched grad's;
+        the step is skipped where ``skips``) with ``scale``, and the run of skipped steps.
+        On the Triton backend one launch, else device ops; a host read only every
         ``check_every`` updates (:meth:`report`)."""
         if self._seen_any is not None:
             self._warn_unseen()
         state = self._device_state(scale.device)
         stats, overflow, counters = state["stats"], state["overflow"], state["counters"]
+        if flags.device == counters.device and \
+                resolve_backend(self._scaler._backend, counters.device) == "triton":
+            record_update(flags, stats, overflow, counters, scale, skips)
+        else:
+            self._record_with_torch(flags, skips, scale, state)
+        self._updates += 1
+        if self.check_every is not None and self._updates % self.check_every == 0:
+            self.report()  # raises SkippedStepsError past the limit
+
+    @staticmethod
+    def _record_with_torch(flags: torch.Tensor, skips: bool, scale: torch.Tensor,
+                           state: dict[str, torch.Tensor]) -> None:
+        """:meth:`_record_update`'s device work in torch's ops (the reference path)."""
+        stats, overflow, counters = state["stats"], state["overflow"], state["counters"]
+        found = (flags != 0).any()
         hit = found.to(counters.device).reshape(()) | (stats[:, _INF:_NAN + 1].sum() > 0)
         overflow.copy_(torch.where(hit, stats[:, _INF:_NAN + 1], overflow))
         skipped = hit.double() if skips else torch.zeros_like(counters[3])
@@ -391,9 +412,6 @@ class GradWatch:
             torch.where(hit, counters[2], counters[0]),
             torch.where(hit, scale.to(counters.device, torch.float64).reshape(()), counters[1]),
             counters[2] + 1, run, torch.maximum(counters[4], run)]))
-        self._updates += 1
-        if self.check_every is not None and self._updates % self.check_every == 0:
-            self.report()  # raises SkippedStepsError past the limit
 
     def _warn_unseen(self) -> None:
         """At the first update: warn once about watched parameters no optimizer of the
@@ -488,33 +506,80 @@ class GradWatch:
         return f"GradWatch({len(self.names)} parameters{', closed' if self._closed else ''})"
 
 
+_NUMEL = torch.Tensor.numel
+
+
 class _FusedPass:
     """One optimizer's launches as a watch reads them (:meth:`GradWatch._fused_pass`)."""
 
-    __slots__ = ("plans", "indices", "stand_ins", "launched", "slices", "partials",
+    __slots__ = ("plans", "indices", "numels", "grids", "stand_ins", "slices", "partials",
                  "bounds", "rows", "fallback")
 
-    def __init__(self, groups: list, stand_ins: list, slices: list, partials: torch.Tensor,
-                 bounds: torch.Tensor, rows: torch.Tensor,
+    def __init__(self, groups: list, numels: list, stand_ins: list, slices: list,
+                 partials: torch.Tensor, bounds: torch.Tensor, rows: torch.Tensor,
                  fallback: list[tuple[int, torch.Tensor]]) -> None:
-        # what tells a later call's groups launch the same plans over the same parameters
-        self.plans = [group.plan for group in groups]
+        # what tells a later call's groups launch the same programs over the same parameters:
+        # the same plans (objects), or for a group whose launch stores statistics new plans
+        # (grads at new addresses) over grads of the same sizes (``numels``)
+        # (a plan that holds a grad, its base, is not kept: the grads must be freed)
+        self.plans = [_kept(group) for group in groups]
         self.indices = [group.indices for group in groups]
+        self.numels = numels
+        self.grids = [None if group.plan is None else (group.plan.grid, group.plan.table is None)
+                      for group in groups]
         # per group (empty: none), what launches in a gradient bucket's place: its
         # parameters' views (the same elements and results, one run of programs each)
         self.stand_ins = stand_ins
-        self.launched: list = groups  # the call's groups to launch, set by _fused_pass
         self.slices, self.partials, self.bounds, self.rows = slices, partials, bounds, rows
         self.fallback = fallback  # (row, parameter) of the watched grads no launch covers
 
     def fits(self, groups: list) -> bool:
-        """``groups`` launch these plans (the same objects) over the same parameters."""
+        """``groups`` launch the same programs over the same parameters: these plans, or
+        plans of as many programs, each run over grads of the same sizes as these."""
         if len(groups) != len(self.plans):
             return False
-        for group, plan, indices in zip(groups, self.plans, self.indices):
-            if group.plan is not plan or group.indices is not indices:
+        for k, (group, plan, indices) in enumerate(zip(groups, self.plans, self.indices)):
+            if group.indices is not indices:
                 return False
+            new = group.plan
+            if new is plan:
+                continue
+            numels = self.numels[k]
+            if numels is None or new is None or not new.reusable or \
+                    (new.grid, new.table is None) != self.grids[k] or \
+                    (group.numels or tuple(map(_NUMEL, group.grads))) != numels:
+                return False
+            self.plans[k] = _kept(group)
         return True
+
+
+def _kept(group: Any) -> Any:
+    """What a :class:`_FusedPass` keeps of a group's plan: the plan itself when it holds no
+    grad (a kept template; a bucket's, over its buffer), else a marker that no plan matches
+    (the next call compares sizes)."""
+    plan = group.plan
+    return plan if plan is None or plan.base is None or group.bucket is not None else _NO_PLAN
+
+
+_NO_PLAN = object()
+
+
+def _bucket_stand_in(group: Any, block: int) -> tuple[Any, list[tuple[int, int]] | None]:
+    """What launches in a gradient bucket's group's place for a watch: the same elements in
+    one run of programs per parameter (a chunk table over its parameters' views, launched
+    from the buffer itself: no tensor over the buffer is kept, which would count as a grad
+    held elsewhere), and each parameter's programs; ``(None, None)`` where that cannot be."""
+    bucket = group.bucket
+    views = [bucket.view(i) for i in group.indices]
+    plan = plan_unscale(views)
+    first = next((v for v in views if v.numel()), None)
+    if not plan.reusable or first is None or first.data_ptr() != bucket.buffer.data_ptr():
+        return None, None
+    ranges = _program_ranges(plan, views, block)
+    if ranges is None:
+        return None, None
+    return GradGroup(group.device, [bucket.buffer], params=group.params, indices=group.indices,
+                     plan=plan.template(), base=bucket.buffer), ranges
 
 
 def _program_ranges(plan: Any, grads: list[torch.Tensor], block: int
