@@ -769,12 +769,14 @@ class GradScaler(ScalerStateMixin):
             groups, mesh_groups = collect_grads(optimizer, self._unscales_fp16, self._backend,
                                                 True)
             watch = self._watch
-            fused, launched = (None, None) if watch is None else \
-                watch._fused_pass(optimizer, groups, self._scale)
+            fused = None
+            watched = None  # with a watch: the groups to launch and their statistics
+            if watch is not None:
+                fused, launched = watch._fused_pass(optimizer, groups, self._scale)
+                watched = (launched, fused.slices)
             total, nonfinite = fused_clip(optimizer, groups, mesh_groups, found_for,
                                           self._scale, self._backend, max_norm, norm_type,
-                                          shard_group, error_if_nonfinite,
-                                          None if fused is None else (launched, fused.slices))
+                                          shard_group, error_if_nonfinite, watched)
             if fused is not None:
                 watch._finish(fused)
             # a bucket's padding times a NaN coefficient (a non-finite norm: an overflow) or

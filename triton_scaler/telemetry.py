@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 
-from ._backend import resolve_backend, triton_kernels
+from ._backend import resolve_backend
 from ._dispatch import finish_stats, record_update
-from ._grads import GradGroup
-from ._plans import plan_unscale
+from ._watch_pass import FusedPass, chunks, grad_stats, plan_pass
 from .reference import inv_scale_of
 
 __all__ = ["GradWatch", "WatchReport", "Overflow", "SkippedStepsError"]
@@ -221,7 +220,7 @@ class GradWatch:
         #: same rows every step: uploaded once)
         self._rows: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._seen_any: set[int] | None = set()  # until the first update: which were seen
-        self._passes: dict[int, _FusedPass] = {}  # by id(optimizer)
+        self._passes: dict[int, FusedPass] = {}  # by id(optimizer)
         self._updates = 0
         self._closed = False
 
@@ -283,8 +282,8 @@ class GradWatch:
         written: list[int] = []
         values: list[torch.Tensor] = []
         for dtype, (rows, grads) in groups.items():
-            for start, stop in _chunks(grads):
-                values.append(_grad_stats(grads[start:stop], inv_scale, dtype).to(device))
+            for start, stop in chunks(grads):
+                values.append(grad_stats(grads[start:stop], inv_scale, dtype).to(device))
                 written += rows[start:stop]
         fill = state["fill"]
         for rows, row in ((no_grad, 0), (empty, 1)):
@@ -297,7 +296,7 @@ class GradWatch:
             self._seen_any.update(written)
 
     def _fused_pass(self, optimizer: Any, groups: list, scale: torch.Tensor
-                    ) -> tuple[_FusedPass, list]:
+                    ) -> tuple[FusedPass, list]:
         """Before a call's launches over ``groups`` (the optimizer's grads, collected): the
         statistics buffer each Triton launch stores into (``.slices``, None for a group that
         does not), and the stats of the watched grads no launch covers recorded by torch's
@@ -317,54 +316,15 @@ class GradWatch:
             [group if stand_in is None else stand_in
              for group, stand_in in zip(groups, kept.stand_ins)]
 
-    def _plan_pass(self, optimizer: Any, groups: list, device: torch.device) -> _FusedPass:
-        index = self._index
+    def _plan_pass(self, optimizer: Any, groups: list, device: torch.device) -> FusedPass:
         stats_device = self._device_state(device)["stats"].device
-        slots: list[tuple[int, int] | None] = []
-        numels: list[tuple[int, ...] | None] = []
-        stand_ins: list = []
-        bounds: list[tuple[int, int]] = []
-        rows: list[int] = []
-        programs = 0
-        for group in groups:
-            plan, indices = group.plan, group.indices
-            ranges = None
-            stand_in = None
-            if plan is not None and indices is not None and group.device == stats_device:
-                block = triton_kernels().unscale.block()
-                if group.bucket is None:
-                    if plan.reusable:
-                        ranges = _program_ranges(plan, group.grads, block)
-                else:
-                    stand_in, ranges = _bucket_stand_in(group, block)
-                    if stand_in is not None:
-                        group, plan = stand_in, stand_in.plan
-            stand_ins.append(stand_in if ranges is not None else None)
-            numels.append(tuple(map(_NUMEL, group.grads)) if ranges is not None and
-                          stand_in is None else None)
-            if ranges is None:
-                slots.append(None)
-                continue
-            for k, (begin, end) in enumerate(ranges):
-                row = index.get(id(group.params[indices[k]]))
-                if row is not None:
-                    rows.append(row)
-                    bounds.append((programs + begin, programs + end))
-            slots.append((programs, plan.grid))
-            programs += plan.grid
-        covered = set(rows)
-        fallback = self._watched_in(optimizer, covered)
+        fused = plan_pass(self._index, groups, stats_device)
+        fused.fallback = self._watched_in(optimizer, fused.covered)
         if self._seen_any is not None:
-            self._seen_any.update(covered)
-        partials = torch.empty((programs, 4), dtype=torch.float64, device=stats_device)
-        return _FusedPass(
-            groups, numels, stand_ins if any(x is not None for x in stand_ins) else [],
-            [None if slot is None else partials[slot[0]:slot[0] + slot[1]] for slot in slots],
-            partials,
-            torch.tensor(bounds, dtype=torch.int64).reshape(-1, 2).to(stats_device),
-            torch.tensor(rows, dtype=torch.int64).to(stats_device), fallback)
+            self._seen_any.update(fused.covered)
+        return fused
 
-    def _finish(self, fused: _FusedPass) -> None:
+    def _finish(self, fused: FusedPass) -> None:
         """After the launches of :meth:`_fused_pass`: each covered tensor's statistics from
         its programs' (one launch; none when no launch stored any)."""
         if fused.rows.numel():
@@ -504,133 +464,3 @@ class GradWatch:
 
     def __repr__(self) -> str:
         return f"GradWatch({len(self.names)} parameters{', closed' if self._closed else ''})"
-
-
-_NUMEL = torch.Tensor.numel
-
-
-class _FusedPass:
-    """One optimizer's launches as a watch reads them (:meth:`GradWatch._fused_pass`)."""
-
-    __slots__ = ("plans", "indices", "numels", "grids", "stand_ins", "slices", "partials",
-                 "bounds", "rows", "fallback")
-
-    def __init__(self, groups: list, numels: list, stand_ins: list, slices: list,
-                 partials: torch.Tensor, bounds: torch.Tensor, rows: torch.Tensor,
-                 fallback: list[tuple[int, torch.Tensor]]) -> None:
-        # what tells a later call's groups launch the same programs over the same parameters:
-        # the same plans (objects), or for a group whose launch stores statistics new plans
-        # (grads at new addresses) over grads of the same sizes (``numels``)
-        # (a plan that holds a grad, its base, is not kept: the grads must be freed)
-        self.plans = [_kept(group) for group in groups]
-        self.indices = [group.indices for group in groups]
-        self.numels = numels
-        self.grids = [None if group.plan is None else (group.plan.grid, group.plan.table is None)
-                      for group in groups]
-        # per group (empty: none), what launches in a gradient bucket's place: its
-        # parameters' views (the same elements and results, one run of programs each)
-        self.stand_ins = stand_ins
-        self.slices, self.partials, self.bounds, self.rows = slices, partials, bounds, rows
-        self.fallback = fallback  # (row, parameter) of the watched grads no launch covers
-
-    def fits(self, groups: list) -> bool:
-        """``groups`` launch the same programs over the same parameters: these plans, or
-        plans of as many programs, each run over grads of the same sizes as these."""
-        if len(groups) != len(self.plans):
-            return False
-        for k, (group, plan, indices) in enumerate(zip(groups, self.plans, self.indices)):
-            if group.indices is not indices:
-                return False
-            new = group.plan
-            if new is plan:
-                continue
-            numels = self.numels[k]
-            if numels is None or new is None or not new.reusable or \
-                    (new.grid, new.table is None) != self.grids[k] or \
-                    (group.numels or tuple(map(_NUMEL, group.grads))) != numels:
-                return False
-            self.plans[k] = _kept(group)
-        return True
-
-
-def _kept(group: Any) -> Any:
-    """What a :class:`_FusedPass` keeps of a group's plan: the plan itself when it holds no
-    grad (a kept template; a bucket's, over its buffer), else a marker that no plan matches
-    (the next call compares sizes)."""
-    plan = group.plan
-    return plan if plan is None or plan.base is None or group.bucket is not None else _NO_PLAN
-
-
-_NO_PLAN = object()
-
-
-def _bucket_stand_in(group: Any, block: int) -> tuple[Any, list[tuple[int, int]] | None]:
-    """What launches in a gradient bucket's group's place for a watch: the same elements in
-    one run of programs per parameter (a chunk table over its parameters' views, launched
-    from the buffer itself: no tensor over the buffer is kept, which would count as a grad
-    held elsewhere), and each parameter's programs; ``(None, None)`` where that cannot be."""
-    bucket = group.bucket
-    views = [bucket.view(i) for i in group.indices]
-    plan = plan_unscale(views)
-    first = next((v for v in views if v.numel()), None)
-    if not plan.reusable or first is None or first.data_ptr() != bucket.buffer.data_ptr():
-        return None, None
-    ranges = _program_ranges(plan, views, block)
-    if ranges is None:
-        return None, None
-    return GradGroup(group.device, [bucket.buffer], params=group.params, indices=group.indices,
-                     plan=plan.template(), base=bucket.buffer), ranges
-
-
-def _program_ranges(plan: Any, grads: list[torch.Tensor], block: int
-                    ) -> list[tuple[int, int]] | None:
-    """Each of ``grads``' programs ``[begin, end)`` in ``plan`` (a launch over them in chunks
-    of ``block``; empty for an empty grad), or None where its programs are not one run per
-    grad in order (grads that share memory, covered once)."""
-    numels = [g.numel() for g in grads]
-    if plan.table is None:
-        if sum(1 for n in numels if n) != 1:
-            return None
-        return [(0, plan.grid) if n else (0, 0) for n in numels]
-    ranges, end = [], 0
-    for n in numels:
-        begin, end = end, end + -(-n // block)
-        ranges.append((begin, end))
-    return ranges if end == plan.grid else None
-
-
-_CHUNK_ELEMENTS = 2**26  # the statistics' temporaries: at most twice this many elements
-
-
-def _chunks(grads: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """``(start, stop)`` runs of ``grads`` of at most ``_CHUNK_ELEMENTS`` elements (or one
-    grad), so that the temporaries of :func:`_grad_stats` stay bounded."""
-    runs, start, total = [], 0, 0
-    for i, grad in enumerate(grads):
-        if total and total + grad.numel() > _CHUNK_ELEMENTS:
-            runs.append((start, i))
-            start, total = i, 0
-        total += grad.numel()
-    runs.append((start, len(grads)))
-    return runs
-
-
-def _grad_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
-    """``[amax, norm**2, inf count, NaN count, 1]`` per grad (float64 rows) of ``grad *
-    inv_scale``, for non-empty ``grads`` of ``dtype``: amax and the counts as torch computes
-    them from the unscaled grad, the norm accumulated in float32 (float64 for float64 grads).
-    Nine ``torch._foreach`` ops, whatever the number of grads."""
-    unscaled = torch._foreach_mul(grads, inv_scale.to(grads[0].device))
-    norm = torch._foreach_norm(unscaled, 2, dtype=torch.float64 if dtype == torch.float64
-                               else torch.float32)
-    torch._foreach_abs_(unscaled)
-    amax = torch._foreach_norm(unscaled, math.inf)
-    finite = torch._foreach_clamp_max(unscaled, torch.finfo(dtype).max)  # NaN stays NaN
-    torch._foreach_sub_(unscaled, finite)  # 0 where finite, inf where inf, NaN where NaN
-    nonfinite = torch._foreach_norm(unscaled, 0)  # ord 0: how many are not 0
-    torch._foreach_sub_(finite, finite)  # NaN where NaN, else 0
-    nan = torch._foreach_norm(finite, 0)
-    nonfinite_t, nan_t = torch.stack(nonfinite).double(), torch.stack(nan).double()
-    return torch.stack([torch.stack(amax).double(), torch.stack(norm).double().square(),
-                        nonfinite_t - nan_t, nan_t, torch.ones_like(nan_t)], dim=1)

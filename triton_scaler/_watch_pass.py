@@ -1,0 +1,192 @@
+"""What a watch (:class:`triton_scaler.telemetry.GradWatch`) adds to the scaler's passes:
+where each Triton launch stores its programs' statistics and which watched rows they finish
+into (:func:`plan_pass`, kept per optimizer as a :class:`FusedPass`), and the statistics in
+torch's ops for the grads no launch covers (:func:`grad_stats`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ._backend import triton_kernels
+from ._grads import GradGroup
+from ._plans import plan_unscale
+
+
+def plan_pass(index: dict[int, int], groups: list, stats_device: torch.device) -> FusedPass:
+    """How a watch reads the launches over ``groups`` (the optimizer's grads, collected): per
+    group, where its launch stores statistics (a Triton launch on ``stats_device`` over grads
+    whose programs run one grad after another, or a gradient bucket's stand-in), and which
+    rows of the watch (``index``: id(parameter) -> row) each grad's programs finish into."""
+    slots: list[tuple[int, int] | None] = []
+    numels: list[tuple[int, ...] | None] = []
+    stand_ins: list = []
+    bounds: list[tuple[int, int]] = []
+    rows: list[int] = []
+    programs = 0
+    for group in groups:
+        plan, indices = group.plan, group.indices
+        ranges = None
+        stand_in = None
+        if plan is not None and indices is not None and group.device == stats_device:
+            block = triton_kernels().unscale.block()
+            if group.bucket is None:
+                if plan.reusable:
+                    ranges = _program_ranges(plan, group.grads, block)
+            else:
+                stand_in, ranges = _bucket_stand_in(group, block)
+                if stand_in is not None:
+                    group, plan = stand_in, stand_in.plan
+        stand_ins.append(stand_in if ranges is not None else None)
+        numels.append(tuple(map(_NUMEL, group.grads)) if ranges is not None and
+                      stand_in is None else None)
+        if ranges is None:
+            slots.append(None)
+            continue
+        for k, (begin, end) in enumerate(ranges):
+            row = index.get(id(group.params[indices[k]]))
+            if row is not None:
+                rows.append(row)
+                bounds.append((programs + begin, programs + end))
+        slots.append((programs, plan.grid))
+        programs += plan.grid
+    partials = torch.empty((programs, 4), dtype=torch.float64, device=stats_device)
+    return FusedPass(
+        groups, numels, stand_ins if any(x is not None for x in stand_ins) else [],
+        [None if slot is None else partials[slot[0]:slot[0] + slot[1]] for slot in slots],
+        partials, torch.tensor(bounds, dtype=torch.int64).reshape(-1, 2).to(stats_device),
+        torch.tensor(rows, dtype=torch.int64).to(stats_device), set(rows))
+
+
+_NUMEL = torch.Tensor.numel
+
+
+class FusedPass:
+    """One optimizer's launches as a watch reads them (:meth:`GradWatch._fused_pass`)."""
+
+    __slots__ = ("plans", "indices", "numels", "grids", "stand_ins", "slices", "partials",
+                 "bounds", "rows", "covered", "fallback")
+
+    def __init__(self, groups: list, numels: list, stand_ins: list, slices: list,
+                 partials: torch.Tensor, bounds: torch.Tensor, rows: torch.Tensor,
+                 covered: set[int]) -> None:
+        # what tells a later call's groups launch the same programs over the same parameters:
+        # the same plans (objects), or for a group whose launch stores statistics new plans
+        # (grads at new addresses) over grads of the same sizes (``numels``)
+        # (a plan that holds a grad, its base, is not kept: the grads must be freed)
+        self.plans = [_kept(group) for group in groups]
+        self.indices = [group.indices for group in groups]
+        self.numels = numels
+        self.grids = [None if group.plan is None else (group.plan.grid, group.plan.table is None)
+                      for group in groups]
+        # per group (empty: none), what launches in a gradient bucket's place: its
+        # parameters' views (the same elements and results, one run of programs each)
+        self.stand_ins = stand_ins
+        self.slices, self.partials, self.bounds, self.rows = slices, partials, bounds, rows
+        self.covered = covered  # the watch's rows the launches finish into
+        #: (row, parameter) of the watched grads no launch covers (set by the watch)
+        self.fallback: list[tuple[int, torch.Tensor]] = []
+
+    def fits(self, groups: list) -> bool:
+        """``groups`` launch the same programs over the same parameters: these plans, or
+        plans of as many programs, each run over grads of the same sizes as these."""
+        if len(groups) != len(self.plans):
+            return False
+        for k, (group, plan, indices) in enumerate(zip(groups, self.plans, self.indices)):
+            if group.indices is not indices:
+                return False
+            new = group.plan
+            if new is plan:
+                continue
+            numels = self.numels[k]
+            if numels is None or new is None or not new.reusable or \
+                    (new.grid, new.table is None) != self.grids[k] or \
+                    (group.numels or tuple(map(_NUMEL, group.grads))) != numels:
+                return False
+            self.plans[k] = _kept(group)
+        return True
+
+
+def _kept(group: Any) -> Any:
+    """What a :class:`FusedPass` keeps of a group's plan: the plan itself when it holds no
+    grad (a kept template; a bucket's, over its buffer), else a marker that no plan matches
+    (the next call compares sizes)."""
+    plan = group.plan
+    return plan if plan is None or plan.base is None or group.bucket is not None else _NO_PLAN
+
+
+_NO_PLAN = object()
+
+
+def _bucket_stand_in(group: Any, block: int) -> tuple[Any, list[tuple[int, int]] | None]:
+    """What launches in a gradient bucket's group's place for a watch: the same elements in
+    one run of programs per parameter (a chunk table over its parameters' views, launched
+    from the buffer itself: no tensor over the buffer is kept, which would count as a grad
+    held elsewhere), and each parameter's programs; ``(None, None)`` where that cannot be."""
+    bucket = group.bucket
+    views = [bucket.view(i) for i in group.indices]
+    plan = plan_unscale(views)
+    first = next((v for v in views if v.numel()), None)
+    if not plan.reusable or first is None or first.data_ptr() != bucket.buffer.data_ptr():
+        return None, None
+    ranges = _program_ranges(plan, views, block)
+    if ranges is None:
+        return None, None
+    return GradGroup(group.device, [bucket.buffer], params=group.params, indices=group.indices,
+                     plan=plan.template(), base=bucket.buffer), ranges
+
+
+def _program_ranges(plan: Any, grads: list[torch.Tensor], block: int
+                    ) -> list[tuple[int, int]] | None:
+    """Each of ``grads``' programs ``[begin, end)`` in ``plan`` (a launch over them in chunks
+    of ``block``; empty for an empty grad), or None where its programs are not one run per
+    grad in order (grads that share memory, covered once)."""
+    numels = [g.numel() for g in grads]
+    if plan.table is None:
+        if sum(1 for n in numels if n) != 1:
+            return None
+        return [(0, plan.grid) if n else (0, 0) for n in numels]
+    ranges, end = [], 0
+    for n in numels:
+        begin, end = end, end + -(-n // block)
+        ranges.append((begin, end))
+    return ranges if end == plan.grid else None
+
+
+_CHUNK_ELEMENTS = 2**26  # the statistics' temporaries: at most twice this many elements
+
+
+def chunks(grads: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """``(start, stop)`` runs of ``grads`` of at most ``_CHUNK_ELEMENTS`` elements (or one
+    grad), so that the temporaries of :func:`grad_stats` stay bounded."""
+    runs, start, total = [], 0, 0
+    for i, grad in enumerate(grads):
+        if total and total + grad.numel() > _CHUNK_ELEMENTS:
+            runs.append((start, i))
+            start, total = i, 0
+        total += grad.numel()
+    runs.append((start, len(grads)))
+    return runs
+
+
+def grad_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``[amax, norm**2, inf count, NaN count, 1]`` per grad (float64 rows) of ``grad *
+    inv_scale``, for non-empty ``grads`` of ``dtype``: amax and the counts as torch computes
+    them from the unscaled grad, the norm accumulated in float32 (float64 for float64 grads).
+    Nine ``torch._foreach`` ops, whatever the number of grads."""
+    unscaled = torch._foreach_mul(grads, inv_scale.to(grads[0].device))
+    norm = torch._foreach_norm(unscaled, 2, dtype=torch.float64 if dtype == torch.float64
+                               else torch.float32)
+    torch._foreach_abs_(unscaled)
+    amax = torch._foreach_norm(unscaled, math.inf)
+    finite = torch._foreach_clamp_max(unscaled, torch.finfo(dtype).max)  # NaN stays NaN
+    torch._foreach_sub_(unscaled, finite)  # 0 where finite, inf where inf, NaN where NaN
+    nonfinite = torch._foreach_norm(unscaled, 0)  # ord 0: how many are not 0
+    torch._foreach_sub_(finite, finite)  # NaN where NaN, else 0
+    nan = torch._foreach_norm(finite, 0)
+    nonfinite_t, nan_t = torch.stack(nonfinite).double(), torch.stack(nan).double()
+    return torch.stack([torch.stack(amax).double(), torch.stack(norm).double().square(),
+                        nonfinite_t - nan_t, nan_t, torch.ones_like(nan_t)], dim=1)
