@@ -13,7 +13,10 @@
 #             (suite.json, for benchmarks/plot.py; 67 s on an H200)
 #     compiled benchmarks/compiled_step.py: a small transformer's full step, torch's scaler
 #             against ours compiled and under mode="reduce-overhead" (compiled.log)
-#     all     tests, launcher, bench, profile, suite, then compiled (default): about 390 s on
+#     watch   benchmarks/test_watch_cost.py at 1e8 elements: unscale_ (fp16: the fused
+#             route's check) with scaler.watch against without (watch.json, ratios in
+#             summary.txt)
+#     all     tests, launcher, bench, profile, suite, watch, then compiled (default): about 390 s on
 #             the H200 without compiled (317 s without the suite)
 # Everything goes under OUT_DIR (default: $OUT when set, else benchmarks/results/gpu; on a machine
 # that hands back only a few files, give a folder under /tmp and archive it), with
@@ -25,7 +28,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-all}
-[[ $part == all ]] && part=tests,launcher,bench,profile,suite,compiled
+[[ $part == all ]] && part=tests,launcher,bench,profile,suite,watch,compiled
 wants() { [[ ,$part, == *,$1,* ]]; }
 out=${2:-${OUT:-benchmarks/results/gpu}}
 mkdir -p "$out"
@@ -111,6 +114,12 @@ if wants suite; then
   run_part suite 150 env TRITON_SCALER_BENCH_SIZES=full python -m pytest -q \
     -p no:cacheprovider benchmarks/test_bench_*.py --benchmark-enable \
     --benchmark-json="$out/suite.json"
+fi
+if wants watch; then
+  run_part watch 90 env TRITON_SCALER_BENCH_SIZES=full python -m pytest -q \
+    -p no:cacheprovider benchmarks/test_watch_cost.py --benchmark-enable \
+    --benchmark-json="$out/watch.json"
+  python benchmarks/watch_cost.py "$out/watch.json" >> "$summary"
 fi
 if wants compiled; then
   run_part compiled 180 python benchmarks/compiled_step.py
