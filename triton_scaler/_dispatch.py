@@ -21,7 +21,9 @@ its schema says, except ``unscale_norm_``, which returns the norm partial:
 * ``scaler_update_(scale, growth_tracker, flags, hysteresis_tracker, skipped, skipped_count,
   params, <settings>, backend)``: the one launch of :meth:`GradScaler.update`;
 * ``before_backward_(token)``: the gradient buckets' host-side note that a backward
-  follows; ``token`` is declared mutated so that the op stays in the graph, in order.
+  follows; ``token`` is declared mutated so that the op stays in the graph, in order;
+* ``watch_stats(grads, inv_scale, backend) -> Tensor``: a watch's statistics of the grads
+  (:func:`watch_stats`), mutating nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.library import custom_op
 
-from . import _backend, _plans, reference
+from . import _backend, _plan_store, _plans, reference
 from ._backend import resolve_backend, triton_kernels
 from ._bucket import before_backward
 from ._compile import is_traced, run_eagerly
@@ -102,6 +104,59 @@ def finish_stats(partials: torch.Tensor, bounds: torch.Tensor, rows: torch.Tenso
     count, 1)`` of ``out``; see :func:`triton_scaler.kernels.launch_finish_stats`. No host
     sync."""
     (_backend.loaded_kernels or triton_kernels()).launch_finish_stats(partials, bounds, rows, out)
+
+
+def watch_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor,
+                backend: str) -> torch.Tensor:
+    """A watch's statistics of non-empty, same-device, same-dtype ``grads`` times
+    ``inv_scale`` (0-d fp32 on their device): float64 ``[len(grads), 5]`` rows ``(amax, sum
+    of squares, inf count, NaN count, 1)``. On the Triton backend a read-only launch of the
+    unscale kernel storing its programs' statistics, finished per grad (each grad's blocks
+    are those of every launch over it: the numbers of a watched call's own launches, bit for
+    bit); else torch's ops (:func:`reference.grad_stats`). Traced code calls the registered
+    op. No host sync."""
+    if is_traced():
+        return _ops.watch_stats(grads, inv_scale, backend)
+    return _watch_stats_impl(grads, inv_scale, backend)
+
+
+def _watch_stats_impl(grads: list[torch.Tensor], inv_scale: torch.Tensor,
+                      backend: str) -> torch.Tensor:
+    if resolve_backend(backend, grads[0].device) == "triton":
+        kernels = _backend.loaded_kernels or triton_kernels()
+        plan = _plans.plan_unscale(grads)
+        ranges = _plans.program_ranges(plan, grads, kernels.unscale.block()) \
+            if plan.reusable else None
+        if ranges is not None:
+            device = grads[0].device
+            partials = torch.empty((plan.grid, 4), dtype=torch.float64, device=device)
+            kernels.launch_unscale(plan, torch.zeros((), device=device), inv_scale,
+                                   write=False, stats=partials)
+            out = torch.empty((len(grads), 5), dtype=torch.float64, device=device)
+            kernels.launch_finish_stats(partials, *_stats_bounds(ranges, device), out)
+            return out
+    return reference.grad_stats(grads, inv_scale)
+
+
+def _stats_bounds(ranges: list[tuple[int, int]], device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ranges`` (each grad's programs) and the rows ``0..n-1`` as device tensors, uploaded
+    once per pattern (kept in planning's store; a CUDA upload through pinned memory, which
+    does not wait for the device)."""
+    key = ("stats", device, tuple(ranges))
+    kept = _plan_store.lookup(key)
+    if kept is None:
+        host = torch.tensor(ranges, dtype=torch.int64).reshape(-1, 2)
+        rows = torch.arange(len(ranges), dtype=torch.int64)
+        if device.type == "cuda":
+            host, rows = host.pin_memory(), rows.pin_memory()
+        kept = _plan_store.keep(key, (host.to(device, non_blocking=True),
+                                      rows.to(device, non_blocking=True)))
+    return kept
+
+
+def _watch_stats_fake(grads, inv_scale, backend) -> torch.Tensor:
+    return grads[0].new_empty((len(grads), 5), dtype=torch.float64)
 
 
 def record_update(flags: torch.Tensor, stats: torch.Tensor, overflow: torch.Tensor,
@@ -393,6 +448,7 @@ _define("update_scale_", ("scale", "growth_tracker", "hysteresis_tracker"), _upd
 _define("scaler_update_", ("scale", "growth_tracker", "flags", "hysteresis_tracker", "skipped",
                            "skipped_count"), _scaler_update_impl)
 _define("before_backward_", ("token",), _before_backward_impl)
+_define("watch_stats", (), _watch_stats_impl, _watch_stats_fake)
 
 #: ``torch.ops.triton_scaler``: the registered ops, e.g. ``_ops.scaler_update_``.
 _ops = getattr(torch.ops, _NAMESPACE)

@@ -265,3 +265,20 @@ def _without_aliases(addresses: tuple[int, ...], numels: tuple[int, ...]):
     for address, n in zip(addresses, numels):
         seen[address] = max(n, seen.get(address, 0))
     return tuple(seen), tuple(seen.values())
+
+
+def program_ranges(plan: UnscalePlan, grads: list[torch.Tensor], block: int
+                   ) -> list[tuple[int, int]] | None:
+    """Each of ``grads``' programs ``[begin, end)`` in ``plan`` (a launch over them in chunks
+    of ``block``; empty for an empty grad), or None where its programs are not one run per
+    grad in order (grads that share memory, covered once)."""
+    numels = [g.numel() for g in grads]
+    if plan.table is None:
+        if sum(1 for n in numels if n) != 1:
+            return None
+        return [(0, plan.grid) if n else (0, 0) for n in numels]
+    ranges, end = [], 0
+    for n in numels:
+        begin, end = end, end + -(-n // block)
+        ranges.append((begin, end))
+    return ranges if end == plan.grid else None

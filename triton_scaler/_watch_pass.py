@@ -1,18 +1,16 @@
 """What a watch (:class:`triton_scaler.telemetry.GradWatch`) adds to the scaler's passes:
 where each Triton launch stores its programs' statistics and which watched rows they finish
-into (:func:`plan_pass`, kept per optimizer as a :class:`FusedPass`), and the statistics in
-torch's ops for the grads no launch covers (:func:`grad_stats`)."""
+into (:func:`plan_pass`, kept per optimizer as a :class:`FusedPass`)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from ._backend import triton_kernels
 from ._grads import GradGroup
-from ._plans import plan_unscale
+from ._plans import plan_unscale, program_ranges
 
 
 def plan_pass(index: dict[int, int], groups: list, stats_device: torch.device) -> FusedPass:
@@ -34,7 +32,7 @@ def plan_pass(index: dict[int, int], groups: list, stats_device: torch.device) -
             block = triton_kernels().unscale.block()
             if group.bucket is None:
                 if plan.reusable:
-                    ranges = _program_ranges(plan, group.grads, block)
+                    ranges = program_ranges(plan, group.grads, block)
             else:
                 stand_in, ranges = _bucket_stand_in(group, block)
                 if stand_in is not None:
@@ -131,62 +129,8 @@ def _bucket_stand_in(group: Any, block: int) -> tuple[Any, list[tuple[int, int]]
     first = next((v for v in views if v.numel()), None)
     if not plan.reusable or first is None or first.data_ptr() != bucket.buffer.data_ptr():
         return None, None
-    ranges = _program_ranges(plan, views, block)
+    ranges = program_ranges(plan, views, block)
     if ranges is None:
         return None, None
     return GradGroup(group.device, [bucket.buffer], params=group.params, indices=group.indices,
                      plan=plan.template(), base=bucket.buffer), ranges
-
-
-def _program_ranges(plan: Any, grads: list[torch.Tensor], block: int
-                    ) -> list[tuple[int, int]] | None:
-    """Each of ``grads``' programs ``[begin, end)`` in ``plan`` (a launch over them in chunks
-    of ``block``; empty for an empty grad), or None where its programs are not one run per
-    grad in order (grads that share memory, covered once)."""
-    numels = [g.numel() for g in grads]
-    if plan.table is None:
-        if sum(1 for n in numels if n) != 1:
-            return None
-        return [(0, plan.grid) if n else (0, 0) for n in numels]
-    ranges, end = [], 0
-    for n in numels:
-        begin, end = end, end + -(-n // block)
-        ranges.append((begin, end))
-    return ranges if end == plan.grid else None
-
-
-_CHUNK_ELEMENTS = 2**26  # the statistics' temporaries: at most twice this many elements
-
-
-def chunks(grads: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """``(start, stop)`` runs of ``grads`` of at most ``_CHUNK_ELEMENTS`` elements (or one
-    grad), so that the temporaries of :func:`grad_stats` stay bounded."""
-    runs, start, total = [], 0, 0
-    for i, grad in enumerate(grads):
-        if total and total + grad.numel() > _CHUNK_ELEMENTS:
-            runs.append((start, i))
-            start, total = i, 0
-        total += grad.numel()
-    runs.append((start, len(grads)))
-    return runs
-
-
-def grad_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
-    """``[amax, norm**2, inf count, NaN count, 1]`` per grad (float64 rows) of ``grad *
-    inv_scale``, for non-empty ``grads`` of ``dtype``: amax and the counts as torch computes
-    them from the unscaled grad, the norm accumulated in float32 (float64 for float64 grads).
-    Nine ``torch._foreach`` ops, whatever the number of grads."""
-    unscaled = torch._foreach_mul(grads, inv_scale.to(grads[0].device))
-    norm = torch._foreach_norm(unscaled, 2, dtype=torch.float64 if dtype == torch.float64
-                               else torch.float32)
-    torch._foreach_abs_(unscaled)
-    amax = torch._foreach_norm(unscaled, math.inf)
-    finite = torch._foreach_clamp_max(unscaled, torch.finfo(dtype).max)  # NaN stays NaN
-    torch._foreach_sub_(unscaled, finite)  # 0 where finite, inf where inf, NaN where NaN
-    nonfinite = torch._foreach_norm(unscaled, 0)  # ord 0: how many are not 0
-    torch._foreach_sub_(finite, finite)  # NaN where NaN, else 0
-    nan = torch._foreach_norm(finite, 0)
-    nonfinite_t, nan_t = torch.stack(nonfinite).double(), torch.stack(nan).double()
-    return torch.stack([torch.stack(amax).double(), torch.stack(norm).double().square(),
-                        nonfinite_t - nan_t, nan_t, torch.ones_like(nan_t)], dim=1)

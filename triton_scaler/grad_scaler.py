@@ -45,10 +45,11 @@ def _can_trace(scaler: GradScaler, name: str, args: tuple, kwargs: dict) -> bool
     ``clip_grad_norm_`` of a disabled scaler, with ``error_if_nonfinite=True``,
     ``sharded=True``, a ``norm_type`` other than 2 and inf, or over GradBuckets on the Triton
     backend (the eager clip reads a bucket's buffer in one launch, whose norm partials a
-    traced loop over the grads would not reproduce bit for bit)."""
+    traced loop over the grads would not reproduce bit for bit); with a watch that checks
+    every ``check_every`` updates (a host read)."""
     if not scaler._traceable or scaler._process_group is not None or \
             scaler._policy.raise_at_min_scale or scaler._overrides_unscale_grads() or \
-            scaler._watch is not None:
+            scaler._watch is not None and scaler._watch.check_every is not None:
         return False
     if name == "update":
         return True
@@ -323,8 +324,8 @@ class GradScaler(ScalerStateMixin):
                     unscale_group(group, found_for.get(device), inv_for.get(device),
                                   self._backend, write, from_scale=from_scale)
             else:  # the launches also store the watched grads' statistics
-                fused, launched = watch._fused_pass(optimizer, groups, self._scale)
-                for group, stats in zip(launched, fused.slices):
+                fused, launched, slices = watch._fused_pass(optimizer, groups, self._scale)
+                for group, stats in zip(launched, slices):
                     device = group.device
                     unscale_group(group, found_for.get(device), inv_for.get(device),
                                   self._backend, write, from_scale=from_scale, stats=stats)
@@ -772,8 +773,8 @@ class GradScaler(ScalerStateMixin):
             fused = None
             watched = None  # with a watch: the groups to launch and their statistics
             if watch is not None:
-                fused, launched = watch._fused_pass(optimizer, groups, self._scale)
-                watched = (launched, fused.slices)
+                fused, launched, slices = watch._fused_pass(optimizer, groups, self._scale)
+                watched = (launched, slices)
             total, nonfinite = fused_clip(optimizer, groups, mesh_groups, found_for,
                                           self._scale, self._backend, max_norm, norm_type,
                                           shard_group, error_if_nonfinite, watched)

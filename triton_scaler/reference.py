@@ -170,3 +170,49 @@ def update_scale_(
                             torch.where(at_interval & grown.isfinite(), grown, scale))
     scale.copy_(new_scale)
     growth_tracker.copy_(torch.where(found | at_interval, 0, successful))
+
+
+_CHUNK_ELEMENTS = 2**26  # the statistics' temporaries: at most twice this many elements
+
+
+def _stat_chunks(grads: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """``(start, stop)`` runs of ``grads`` of at most ``_CHUNK_ELEMENTS`` elements (or one
+    grad), so that the temporaries of :func:`grad_stats` stay bounded."""
+    runs, start, total = [], 0, 0
+    for i, grad in enumerate(grads):
+        if total and total + grad.numel() > _CHUNK_ELEMENTS:
+            runs.append((start, i))
+            start, total = i, 0
+        total += grad.numel()
+    runs.append((start, len(grads)))
+    return runs
+
+
+def grad_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
+    """``[amax, norm**2, inf count, NaN count, 1]`` per grad (float64 rows) of ``grad *
+    inv_scale`` for non-empty, same-dtype ``grads`` on one device: :func:`_chunk_stats` in
+    runs of at most 2**26 elements (a fixed number of ops per run, temporaries bounded)."""
+    dtype = grads[0].dtype
+    return torch.cat([_chunk_stats(grads[start:stop], inv_scale, dtype)
+                      for start, stop in _stat_chunks(grads)])
+
+
+def _chunk_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """``[amax, norm**2, inf count, NaN count, 1]`` per grad (float64 rows) of ``grad *
+    inv_scale``, for non-empty ``grads`` of ``dtype``: amax and the counts as torch computes
+    them from the unscaled grad, the norm accumulated in float32 (float64 for float64 grads).
+    Nine ``torch._foreach`` ops, whatever the number of grads."""
+    unscaled = torch._foreach_mul(grads, inv_scale.to(grads[0].device))
+    norm = torch._foreach_norm(unscaled, 2, dtype=torch.float64 if dtype == torch.float64
+                               else torch.float32)
+    torch._foreach_abs_(unscaled)
+    amax = torch._foreach_norm(unscaled, math.inf)
+    finite = torch._foreach_clamp_max(unscaled, torch.finfo(dtype).max)  # NaN stays NaN
+    torch._foreach_sub_(unscaled, finite)  # 0 where finite, inf where inf, NaN where NaN
+    nonfinite = torch._foreach_norm(unscaled, 0)  # ord 0: how many are not 0
+    torch._foreach_sub_(finite, finite)  # NaN where NaN, else 0
+    nan = torch._foreach_norm(finite, 0)
+    nonfinite_t, nan_t = torch.stack(nonfinite).double(), torch.stack(nan).double()
+    return torch.stack([torch.stack(amax).double(), torch.stack(norm).double().square(),
+                        nonfinite_t - nan_t, nan_t, torch.ones_like(nan_t)], dim=1)

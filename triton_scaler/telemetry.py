@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from ._backend import resolve_backend
-from ._dispatch import finish_stats, record_update
-from ._watch_pass import FusedPass, chunks, grad_stats, plan_pass
+from ._compile import is_traced
+from ._dispatch import finish_stats, record_update, watch_stats
+from ._watch_pass import FusedPass, plan_pass
 from .reference import inv_scale_of
 
 __all__ = ["GradWatch", "WatchReport", "Overflow", "SkippedStepsError"]
@@ -248,23 +249,30 @@ class GradWatch:
 
     def _observe(self, optimizer: Any, inv_scale: torch.Tensor) -> None:
         """Record the stats of the watched grads of ``optimizer``, still scaled, times
-        ``inv_scale`` (the values an unscale by it gives, bit for bit). Device ops only: a
-        fixed number of ``torch._foreach`` ops per dtype (and per 2**26 elements)."""
+        ``inv_scale`` (the values an unscale by it gives, bit for bit): one
+        :func:`~._dispatch.watch_stats` per device and dtype. Device ops only."""
         self._observe_rows(self._watched_in(optimizer), inv_scale)
 
     def _watched_in(self, optimizer: Any, skip: set[int] | frozenset = frozenset()
                     ) -> list[tuple[int, torch.Tensor]]:
         """``(row, parameter)`` of each watched parameter of ``optimizer`` (not in ``skip``)."""
         index = self._index
-        return [(i, p) for group in optimizer.param_groups for p in group["params"]
-                if (i := index.get(id(p))) is not None and i not in skip]
+        watched = []
+        for group in optimizer.param_groups:  # loops: code that dynamo traces
+            for p in group["params"]:
+                i = index.get(id(p))
+                if i is not None and i not in skip:
+                    watched.append((i, p))
+        return watched
 
     def _observe_rows(self, watched: list[tuple[int, torch.Tensor]],
                       inv_scale: torch.Tensor) -> None:
         """:meth:`_observe` of the ``(row, parameter)`` pairs ``watched``."""
+        if not watched:
+            return
         no_grad: list[int] = []
         empty: list[int] = []
-        groups: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
+        groups: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}
         for i, p in watched:
             grad = p.grad
             if grad is None:
@@ -272,38 +280,45 @@ class GradWatch:
             elif grad.numel() == 0:
                 empty.append(i)
             else:
-                rows, grads = groups.setdefault(grad.dtype, ([], []))
-                rows.append(i)
-                grads.append(grad)
-        if not watched:
-            return
+                key = (grad.device, grad.dtype)
+                if key not in groups:
+                    groups[key] = ([], [])
+                groups[key][0].append(i)
+                groups[key][1].append(grad)
         state = self._device_state(inv_scale.device)
         device = state["stats"].device
         written: list[int] = []
         values: list[torch.Tensor] = []
-        for dtype, (rows, grads) in groups.items():
-            for start, stop in chunks(grads):
-                values.append(grad_stats(grads[start:stop], inv_scale, dtype).to(device))
-                written += rows[start:stop]
+        for (grad_device, _), (rows, grads) in groups.items():
+            values.append(watch_stats(grads, inv_scale.to(grad_device), self._scaler._backend)
+                          .to(device))
+            written += rows
         fill = state["fill"]
         for rows, row in ((no_grad, 0), (empty, 1)):
             if rows:
                 values.append(fill[row].expand(len(rows), 5))
                 written += rows
-        state["stats"].index_copy_(0, self._row_index(tuple(written), device),
-                                   torch.cat(values))
-        if self._seen_any is not None:
+        traced = is_traced()
+        index = torch.tensor(written, dtype=torch.int64, device=device) if traced else \
+            self._row_index(tuple(written), device)
+        state["stats"].index_copy_(0, index, torch.cat(values))
+        if not traced and self._seen_any is not None:
             self._seen_any.update(written)
 
     def _fused_pass(self, optimizer: Any, groups: list, scale: torch.Tensor
-                    ) -> tuple[FusedPass, list]:
+                    ) -> tuple[FusedPass | None, list, list]:
         """Before a call's launches over ``groups`` (the optimizer's grads, collected): the
         statistics buffer each Triton launch stores into (``.slices``, None for a group that
         does not), and the stats of the watched grads no launch covers recorded by torch's
         ops now (a group on the reference path or another device, a gradient bucket, grads
         that share memory). Kept per optimizer while its groups launch the same plans (a
-        training loop's steady state: no host work per parameter). Returns it and the groups to
-        launch (a bucket's through its parameters' views). Then :meth:`_finish`."""
+        training loop's steady state: no host work per parameter). Returns it, the groups to
+        launch (a bucket's through its parameters' views) and each one's statistics buffer.
+        Then :meth:`_finish`. In traced code (``torch.compile``): the statistics now, from
+        :func:`~._dispatch.watch_stats` (the same numbers), and no pass."""
+        if is_traced():
+            self._observe(optimizer, inv_scale_of(scale))
+            return None, groups, [None] * len(groups)
         kept = self._passes.get(id(optimizer))
         if kept is None or not kept.fits(groups):
             kept = self._passes[id(optimizer)] = self._plan_pass(optimizer, groups,
@@ -314,7 +329,7 @@ class GradWatch:
         # this call's grads)
         return kept, groups if not kept.stand_ins else \
             [group if stand_in is None else stand_in
-             for group, stand_in in zip(groups, kept.stand_ins)]
+             for group, stand_in in zip(groups, kept.stand_ins)], kept.slices
 
     def _plan_pass(self, optimizer: Any, groups: list, device: torch.device) -> FusedPass:
         stats_device = self._device_state(device)["stats"].device
@@ -324,10 +339,10 @@ class GradWatch:
             self._seen_any.update(fused.covered)
         return fused
 
-    def _finish(self, fused: FusedPass) -> None:
+    def _finish(self, fused: FusedPass | None) -> None:
         """After the launches of :meth:`_fused_pass`: each covered tensor's statistics from
         its programs' (one launch; none when no launch stored any)."""
-        if fused.rows.numel():
+        if fused is not None and fused.rows.numel():
             finish_stats(fused.partials, fused.bounds, fused.rows,
                          self._device_state(fused.partials.device)["stats"])
 
@@ -345,15 +360,18 @@ class GradWatch:
         the step is skipped where ``skips``) with ``scale``, and the run of skipped steps.
         On the Triton backend one launch, else device ops; a host read only every
         ``check_every`` updates (:meth:`report`)."""
-        if self._seen_any is not None:
+        traced = is_traced()
+        if not traced and self._seen_any is not None:
             self._warn_unseen()
         state = self._device_state(scale.device)
         stats, overflow, counters = state["stats"], state["overflow"], state["counters"]
-        if flags.device == counters.device and \
+        if not traced and flags.device == counters.device and \
                 resolve_backend(self._scaler._backend, counters.device) == "triton":
             record_update(flags, stats, overflow, counters, scale, skips)
-        else:
+        else:  # the same numbers (counts and copies: exact)
             self._record_with_torch(flags, skips, scale, state)
+        if traced:  # a compiled update counts nothing on the host (check_every: eager only)
+            return
         self._updates += 1
         if self.check_every is not None and self._updates % self.check_every == 0:
             self.report()  # raises SkippedStepsError past the limit
