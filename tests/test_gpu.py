@@ -198,14 +198,17 @@ def _evict_chunk_tables(cuda):
     return junk
 
 
-def warmed_up_training(model, cuda, buckets: bool, unscale_first: bool):
+def warmed_up_training(model, cuda, buckets: bool, unscale_first: bool, watch: bool = False):
     """A capturable ``scale -> backward -> (unscale_) -> step -> update`` iteration of
     ``model`` (fused capturable AdamW, GradBuckets or grads reset in place, the loss times the
     device tensor ``multiplier``: inf for an overflow), run 3 times on a side stream, as
-    capture needs. Returns the iteration, the optimizer, the scaler and ``multiplier``."""
+    capture needs; ``watch``: the scaler watches ``model``. Returns the iteration, the
+    optimizer, the scaler and ``multiplier``."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
     bucketed = GradBuckets(opt) if buckets else None
     scaler = GradScaler("cuda", init_scale=2.0**10, growth_interval=2, backend="triton")
+    if watch:
+        scaler.watch(model)
     x = torch.randn(4, 32, device=cuda)
     multiplier = torch.ones((), device=cuda)
 

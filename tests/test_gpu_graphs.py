@@ -16,11 +16,12 @@ pytestmark = pytest.mark.gpu
 OVERFLOWS = [i % 7 == 3 or i % 23 == 11 or 40 <= i < 43 for i in range(100)]
 
 
-def _train(cuda, buckets: bool, unscale_first: bool, captured: bool):
+def _train(cuda, buckets: bool, unscale_first: bool, captured: bool, watch: bool = False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(),
                                 torch.nn.Linear(48, 5)).to(cuda)
-    iteration, opt, scaler, multiplier = warmed_up_training(model, cuda, buckets, unscale_first)
+    iteration, opt, scaler, multiplier = warmed_up_training(model, cuda, buckets, unscale_first,
+                                                            watch)
     step = iteration
     if captured:
         graph = torch.cuda.CUDAGraph()
@@ -32,7 +33,7 @@ def _train(cuda, buckets: bool, unscale_first: bool, captured: bool):
         multiplier.fill_(math.inf if overflow else 1.0)
         step()
         scales.append(scaler.get_scale())
-    return scales, scaler.skipped_steps, model, opt
+    return scales, scaler.skipped_steps, model, opt, scaler
 
 
 @pytest.mark.parametrize("buckets, unscale_first", [(True, False), (False, False),
@@ -46,3 +47,20 @@ def test_100_replays_equal_100_eager_iterations(cuda, buckets, unscale_first):
     assert_all_same([p.detach() for p in replayed[2].parameters()],
                     [p.detach() for p in eager[2].parameters()])
     assert_same_optimizer_state(replayed[3], eager[3])
+
+
+@pytest.mark.parametrize("buckets, unscale_first", [(True, False), (False, False),
+                                                    (False, True)])
+def test_a_watched_iteration_replays_as_it_runs_eagerly(cuda, buckets, unscale_first):
+    """A whole iteration of a watched scaler captured in one CUDA graph and replayed 100
+    times reports what 100 eager iterations report (the last overflow by parameter, its
+    step, the skipped steps and their longest run, every statistic), bit for bit."""
+    eager = _train(cuda, buckets, unscale_first, captured=False, watch=True)
+    replayed = _train(cuda, buckets, unscale_first, captured=True, watch=True)
+    assert replayed[0] == eager[0] and replayed[1] == eager[1]
+    eager_report, replayed_report = (run[4]._watch.report() for run in (eager, replayed))
+    for field in ("amax", "norm", "nonfinite", "has_grad", "last_overflow", "step",
+                  "skipped_steps", "consecutive_skips", "most_consecutive_skips"):
+        # repr: NaN statistics compare equal as text
+        assert repr(getattr(replayed_report, field)) == repr(getattr(eager_report, field)), field
+    assert eager_report.last_overflow is not None and eager_report.step == 3 + len(OVERFLOWS)
