@@ -252,25 +252,47 @@ def test_a_checkpoint_with_a_watch_loads_in_torchs_scaler_and_back(backend):
     assert again.get_scale() == scaler.get_scale()
 
 
-def test_sharded_gradients_are_refused_clearly():
-    """Per-parameter numbers of sharded gradients need the shards' reductions, not yet made:
-    a scaler with a process group, and DTensor parameters, are refused, not watched wrongly."""
+def test_parameters_of_other_tensor_subclasses_are_refused_clearly():
+    """A watch takes plain and DTensor parameters; another subclass (FSDP1's FlatParameter
+    without use_orig_params, say) is refused, naming it, rather than watched wrongly."""
+
+    class Flat(torch.nn.Parameter):
+        pass
+
+    with pytest.raises(NotImplementedError, match=r"'w' is a Flat: a watch takes plain"):
+        GradScaler("cpu").watch([("w", Flat(torch.ones(3)))])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1"])
+def test_a_sharded_run_reports_the_whole_gradients_on_every_rank(tmp_path, backend, engine):
+    """FSDP2 (DTensor grads) and FSDP1 with ShardedGradScaler (plain shards summed over its
+    process group), 2 gloo ranks, rank 1's loss overflowing at one step: every rank reports
+    the numbers of the gathered gradients (amax and counts exactly torch's, norms within
+    1e-5), the same overflow, named by parameter."""
     import torch.distributed as dist
-    from _util import fake_process_group
+    from _spawn import spawn_bounded, store_file_in
+    from _watch_worker import OVERFLOW_STEP, run_watched_sharded
 
-    from triton_scaler import ShardedGradScaler
-
-    with fake_process_group(2):
-        scaler = ShardedGradScaler("cpu", process_group=dist.group.WORLD)
-        with pytest.raises(NotImplementedError, match="process_group"):
-            scaler.watch(_model())
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import distribute_tensor
-
-        mesh = init_device_mesh("cpu", (2,))
-        weight = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh))
-        with pytest.raises(NotImplementedError, match=r"'w' is a .*: watching sharded"):
-            GradScaler("cpu").watch([("w", weight)])
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    spawn_bounded(run_watched_sharded,
+                  (2, store_file_in(tmp_path), engine, backend, str(tmp_path)), timeout_s=180)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    for result in results:  # FSDP1 names its parameters with a prefix outside summon_full_params
+        for key in ("amax", "norm", "nonfinite", "has_grad"):
+            result[key] = {name.replace("_fsdp_wrapped_module.", ""): value
+                           for name, value in result[key].items()}
+    for result in results:
+        assert result["skipped"] == 1 and result["overflow_step"] == OVERFLOW_STEP
+        names = [name for name, _, _ in result["overflow"]]
+        assert len(names) == 4 and all(inf + nan > 0 for _, inf, nan in result["overflow"])
+        for name, (amax, norm, inf, nan) in result["expected"].items():
+            assert result["has_grad"][name]
+            assert result["amax"][name] == amax
+            assert result["norm"][name] == pytest.approx(norm, rel=1e-5)
+            assert result["nonfinite"][name] == (inf, nan) == (0, 0)
+    assert results[0]["amax"] == results[1]["amax"] and results[0]["norm"] == results[1]["norm"]
 
 
 def test_mixed_dtypes_empty_grads_and_bf16_overflows(backend):

@@ -20,6 +20,21 @@ if TYPE_CHECKING:
 _DTENSOR: type | None = None  # torch.distributed.tensor.DTensor, once imported
 
 
+def is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
+    """Whether ``t`` is a DTensor (FSDP2's and tensor parallelism's parameters and grads)."""
+    return _is_dtensor(t)
+
+
+def reduce_rows(sums: torch.Tensor, maxima: torch.Tensor, groups: Sequence[Any]) -> None:
+    """SUM all-reduce of ``sums`` and MAX all-reduce of ``maxima`` over each process group of
+    ``groups`` in turn (over a mesh's dimensions one after another: over all their ranks)."""
+    import torch.distributed as dist
+
+    for group in groups:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+
+
 def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     global _DTENSOR
     if _DTENSOR is None:

@@ -16,6 +16,7 @@ import torch
 from ._backend import resolve_backend
 from ._compile import is_traced
 from ._dispatch import finish_stats, record_update, watch_stats
+from ._distributed import is_dtensor, mesh_layout, reduce_rows
 from ._watch_pass import FusedPass, plan_pass
 from .reference import inv_scale_of
 
@@ -171,11 +172,11 @@ def named_parameters_of(model: Any) -> list[tuple[str, torch.Tensor]]:
                         f"model.named_parameters(); got {type(model).__name__}")
     pairs = [(name, p) for name, p in pairs if p.requires_grad]
     for name, p in pairs:
-        if type(p) not in (torch.Tensor, torch.nn.Parameter):
+        if type(p) not in (torch.Tensor, torch.nn.Parameter) and not is_dtensor(p):
             raise NotImplementedError(
-                f"model's parameter {name!r} is a {type(p).__name__}: watching sharded "
-                "parameters (FSDP2's and tensor parallelism's DTensor, FSDP1's FlatParameter) "
-                "is not supported yet; watch plain parameters (single device, DDP)")
+                f"model's parameter {name!r} is a {type(p).__name__}: a watch takes plain "
+                "parameters and DTensor ones (FSDP2, tensor parallel); for FSDP1 wrap with "
+                "use_orig_params=True and watch the wrapped model's named_parameters()")
     if not pairs:
         raise ValueError("model has no parameters that take gradients: nothing to watch")
     names = [name for name, _ in pairs]
@@ -206,10 +207,6 @@ class GradWatch:
             raise ValueError(f"check_every must be None or an int >= 1; got {check_every!r}")
         if check_every is not None and max_consecutive_skips is None:
             raise ValueError("check_every needs max_consecutive_skips")
-        if getattr(scaler, "_process_group", None) is not None:
-            raise NotImplementedError(
-                "watching a scaler with a process_group (ShardedGradScaler, FSDP1, ZeRO: each "
-                "rank holds shards of the gradients) is not supported yet")
         pairs = named_parameters_of(model)
         self._scaler = scaler
         self.names: tuple[str, ...] = tuple(name for name, _ in pairs)
@@ -222,6 +219,10 @@ class GradWatch:
         self._rows: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._seen_any: set[int] | None = set()  # until the first update: which were seen
         self._passes: dict[int, FusedPass] = {}  # by id(optimizer)
+        #: the rows of DTensor grads sharded over process groups: those groups, by row (a
+        #: report reduces their shards' numbers over them); a scaler with a process_group
+        #: (ShardedGradScaler, FSDP1) reduces every row over it
+        self._sharded: dict[int, tuple[Any, ...]] = {}
         self._updates = 0
         self._closed = False
 
@@ -273,8 +274,14 @@ class GradWatch:
         no_grad: list[int] = []
         empty: list[int] = []
         groups: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}
+        meshes: dict = {}
         for i, p in watched:
             grad = p.grad
+            if grad is not None and type(grad) is not torch.Tensor and is_dtensor(grad):
+                grad, layout = mesh_layout(grad, meshes)  # its local shard
+                assert layout is not None
+                if layout.agreed_over:
+                    self._sharded[i] = layout.agreed_over
             if grad is None:
                 no_grad.append(i)
             elif grad.numel() == 0:
@@ -417,6 +424,10 @@ class GradWatch:
                 since the last report (the report's numbers are in the error's ``report``).
             RuntimeError: the watch was closed.
 
+        With sharded gradients (DTensor parameters: FSDP2, tensor parallel; or a scaler with
+        a ``process_group``: ShardedGradScaler, FSDP1) the shards' numbers are reduced first:
+        two collectives per process group, so every rank of those groups must call it.
+
         .. note:: Synchronises with the host (one copy).
         """
         if self._closed:
@@ -434,8 +445,8 @@ class GradWatch:
         else:  # nothing ran yet
             extra = torch.tensor([scaler.get_scale(), 0.0], dtype=torch.float64,
                                  device=counters.device)
-        packed = torch.cat([state["stats"].t().reshape(-1), state["overflow"].t().reshape(-1),
-                            counters, extra])
+        stats, overflow = self._reduced(state["stats"], state["overflow"])
+        packed = torch.cat([stats.t().reshape(-1), overflow.t().reshape(-1), counters, extra])
         values = packed.tolist()  # the one host copy
         scale_now, skipped = values[-2], int(values[-1])
         counters[4].fill_(0)  # the longest run of skipped steps: since this report
@@ -458,6 +469,40 @@ class GradWatch:
             consecutive_skips=int(run), most_consecutive_skips=int(most))
         self._raise_if_too_many_skips(most, report)
         return report
+
+    def _reduced(self, stats: torch.Tensor, overflow: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of sharded grads as the whole gradient's: squares and counts summed over
+        the shards, amax their largest (a collective per process group and kind, made by every
+        rank's ``report()``); the others as recorded."""
+        by_groups: dict[tuple[int, ...], tuple[tuple[Any, ...], list[int]]] = {}
+        if self._scaler._process_group is not None:
+            rows = [i for i in range(len(self.names)) if i not in self._sharded]
+            by_groups[(id(self._scaler._process_group),)] = \
+                ((self._scaler._process_group,), rows)
+        for i, groups in self._sharded.items():
+            by_groups.setdefault(tuple(map(id, groups)), (groups, []))[1].append(i)
+        if not by_groups:
+            return stats, overflow
+        stats, overflow = stats.clone(), overflow.clone()
+        for groups, rows in by_groups.values():
+            index = torch.tensor(rows, dtype=torch.int64, device=stats.device)
+            sub = stats.index_select(0, index)
+            seen = sub[:, 4:5] > 0  # a shard without a grad adds nothing
+            sums = torch.cat([torch.where(seen, sub[:, 1:5], 0.0),
+                              overflow.index_select(0, index)], 1)
+            maxima = torch.where(seen[:, 0], sub[:, _AMAX], 0.0).nan_to_num(nan=0.0)
+            reduce_rows(sums, maxima, groups)
+            anywhere = sums[:, 3:4] > 0
+            nan = math.nan
+            amax = torch.where(sums[:, 2] > 0, nan, maxima)
+            whole = torch.cat([amax[:, None], sums[:, 0:3], anywhere.double()], 1)
+            stats.index_copy_(0, index, torch.where(anywhere, whole,
+                                                    torch.tensor([nan, nan, 0.0, 0.0, 0.0],
+                                                                 dtype=stats.dtype,
+                                                                 device=stats.device)))
+            overflow.index_copy_(0, index, sums[:, 4:6])
+        return stats, overflow
 
     def _raise_if_too_many_skips(self, most: float, report: WatchReport) -> None:
         limit = self.max_consecutive_skips
