@@ -29,6 +29,7 @@ its schema says, except ``unscale_norm_``, which returns the norm partial:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,7 +60,8 @@ def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor
     Triton backend only: ``norm`` (2 or -1, ``write=False``) returns the group's sum of
     squares (max ``|x|``) of the unscaled grads; ``clip_coef`` also multiplies them by it
     before storing. Returns None otherwise. ``stats`` (a group with a plan, eager code): the
-    launch also stores its programs' statistics there (:func:`finish_stats`). No host sync."""
+    launch also stores its programs' statistics there (:func:`bind_finish_stats`). No host
+    sync."""
     if is_traced():
         inv_scale = reference.inv_scale_of(scale) if from_scale else scale
         if norm:
@@ -97,13 +99,14 @@ def _reference_unscale(grads: list[torch.Tensor], found_inf: torch.Tensor,
         reference.check_(grads, found_inf, inv_scale)
 
 
-def finish_stats(partials: torch.Tensor, bounds: torch.Tensor, rows: torch.Tensor,
-                 out: torch.Tensor) -> None:
-    """A watched scaler's per-tensor statistics from its launches' per-program ones (the
-    ``stats`` of :func:`unscale_group`): one launch, rows ``(amax, sum of squares, inf count, NaN
-    count, 1)`` of ``out``; see :func:`triton_scaler.kernels.launch_finish_stats`. No host
-    sync."""
-    (_backend.loaded_kernels or triton_kernels()).launch_finish_stats(partials, bounds, rows, out)
+def bind_finish_stats(partials: torch.Tensor, bounds: torch.Tensor, rows: torch.Tensor,
+                      out: torch.Tensor) -> Callable[[], None]:
+    """A watched call's per-tensor statistics from its launches' per-program ones (the
+    ``stats`` of :func:`unscale_group`), bound once: each call of the result is one launch
+    writing rows ``(amax, sum of squares, inf count, NaN count, 1)`` of ``out``; see
+    :func:`triton_scaler.kernels.launch_finish_stats`. No host sync."""
+    return partial((_backend.loaded_kernels or triton_kernels()).launch_finish_stats,
+                   partials, bounds, rows, out)
 
 
 def watch_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor,
@@ -159,12 +162,14 @@ def _watch_stats_fake(grads, inv_scale, backend) -> torch.Tensor:
     return grads[0].new_empty((len(grads), 5), dtype=torch.float64)
 
 
-def record_update(flags: torch.Tensor, stats: torch.Tensor, overflow: torch.Tensor,
-                  counters: torch.Tensor, scale: torch.Tensor, skips: bool) -> None:
-    """A watched scaler's ``update()`` record on the Triton backend: one launch; see
-    :func:`triton_scaler.kernels.launch_record_update`. No host sync."""
-    (_backend.loaded_kernels or triton_kernels()).launch_record_update(
-        flags, stats, overflow, counters, scale, skips)
+def bind_record_update(flags: torch.Tensor, stats: torch.Tensor, overflow: torch.Tensor,
+                       counters: torch.Tensor, scale: torch.Tensor,
+                       skips: bool) -> Callable[[], None]:
+    """A watched scaler's ``update()`` record on the Triton backend, bound once: each call of
+    the result is one launch; see :func:`triton_scaler.kernels.launch_record_update`. No
+    host sync."""
+    return partial((_backend.loaded_kernels or triton_kernels()).launch_record_update,
+                   flags, stats, overflow, counters, scale, skips)
 
 
 def note_backward(token: torch.Tensor) -> None:

@@ -65,7 +65,7 @@ class FusedPass:
     """One optimizer's launches as a watch reads them (:meth:`GradWatch._fused_pass`)."""
 
     __slots__ = ("plans", "indices", "numels", "grids", "stand_ins", "slices", "partials",
-                 "bounds", "rows", "covered", "fallback")
+                 "bounds", "rows", "covered", "fallback", "finish")
 
     def __init__(self, groups: list, numels: list, stand_ins: list, slices: list,
                  partials: torch.Tensor, bounds: torch.Tensor, rows: torch.Tensor,
@@ -84,6 +84,8 @@ class FusedPass:
         self.stand_ins = stand_ins
         self.slices, self.partials, self.bounds, self.rows = slices, partials, bounds, rows
         self.covered = covered  # the watch's rows the launches finish into
+        #: the finishing launch, bound by the watch (None: no launch stores statistics)
+        self.finish: Any = None
         #: (row, parameter) of the watched grads no launch covers (set by the watch)
         self.fallback: list[tuple[int, torch.Tensor]] = []
 

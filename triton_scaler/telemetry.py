@@ -15,7 +15,7 @@ import torch
 
 from ._backend import resolve_backend
 from ._compile import is_traced
-from ._dispatch import finish_stats, record_update, watch_stats
+from ._dispatch import bind_finish_stats, bind_record_update, watch_stats
 from ._distributed import is_dtensor, mesh_layout, reduce_rows
 from ._watch_pass import FusedPass, plan_pass
 from .reference import inv_scale_of
@@ -219,6 +219,9 @@ class GradWatch:
         self._rows: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._seen_any: set[int] | None = set()  # until the first update: which were seen
         self._passes: dict[int, FusedPass] = {}  # by id(optimizer)
+        #: (flags, scale, skips, the bound record launch or None): update()'s, kept while
+        #: the scaler hands the same tensors
+        self._bound_record: tuple | None = None
         #: the rows of DTensor grads sharded over process groups: those groups, by row (a
         #: report reduces their shards' numbers over them); a scaler with a process_group
         #: (ShardedGradScaler, FSDP1) reduces every row over it
@@ -342,6 +345,9 @@ class GradWatch:
         stats_device = self._device_state(device)["stats"].device
         fused = plan_pass(self._index, groups, stats_device)
         fused.fallback = self._watched_in(optimizer, fused.covered)
+        if fused.rows.numel():
+            fused.finish = bind_finish_stats(fused.partials, fused.bounds, fused.rows,
+                                             self._device_state(device)["stats"])
         if self._seen_any is not None:
             self._seen_any.update(fused.covered)
         return fused
@@ -349,9 +355,8 @@ class GradWatch:
     def _finish(self, fused: FusedPass | None) -> None:
         """After the launches of :meth:`_fused_pass`: each covered tensor's statistics from
         its programs' (one launch; none when no launch stored any)."""
-        if fused is not None and fused.rows.numel():
-            finish_stats(fused.partials, fused.bounds, fused.rows,
-                         self._device_state(fused.partials.device)["stats"])
+        if fused is not None and fused.finish is not None:
+            fused.finish()
 
     def _row_index(self, rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """``rows`` as a device index tensor: the one made for the last call when the rows
@@ -371,10 +376,21 @@ class GradWatch:
         if not traced and self._seen_any is not None:
             self._warn_unseen()
         state = self._device_state(scale.device)
-        stats, overflow, counters = state["stats"], state["overflow"], state["counters"]
-        if not traced and flags.device == counters.device and \
-                resolve_backend(self._scaler._backend, counters.device) == "triton":
-            record_update(flags, stats, overflow, counters, scale, skips)
+        bound = self._bound_record
+        if traced:
+            launch = None
+        elif bound is not None and bound[0] is flags and bound[1] is scale and \
+                bound[2] is skips:
+            launch = bound[3]  # a loop's steady state: the launch bound before
+        else:
+            counters = state["counters"]
+            launch = bind_record_update(flags, state["stats"], state["overflow"], counters,
+                                        scale, skips) \
+                if flags.device == counters.device and \
+                resolve_backend(self._scaler._backend, counters.device) == "triton" else None
+            self._bound_record = (flags, scale, skips, launch)
+        if launch is not None:
+            launch()
         else:  # the same numbers (counts and copies: exact)
             self._record_with_torch(flags, skips, scale, state)
         if traced:  # a compiled update counts nothing on the host (check_every: eager only)
