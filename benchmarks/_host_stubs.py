@@ -40,7 +40,7 @@ def noop_launches() -> Iterator[Counter]:
 
     counts: Counter = Counter()
     saved = [(unscale, "unscale_kernel"), (update, "update_scale_kernel"),
-             (stats, "finish_stats_kernel"), (stats, "record_update_kernel"),
+             (stats, "finish_stats_kernel"),
              (unscale, "_INTERPRETED"), (unscale, "INTERPRETER_BLOCK"),
              (torch, "_amp_foreach_non_finite_check_and_unscale_"),
              (torch, "_amp_update_scale_")]
@@ -53,7 +53,6 @@ def noop_launches() -> Iterator[Counter]:
 
     replacements = [_NoOpLaunch("triton_unscale", counts), _NoOpLaunch("triton_update", counts),
                     _NoOpLaunch("triton_finish_stats", counts),
-                    _NoOpLaunch("triton_record_update", counts),
                     True, unscale.GPU_BLOCK, torch_op("torch_unscale"), torch_op("torch_update")]
     try:
         for (module, name), value in zip(saved, replacements):

@@ -1,6 +1,7 @@
-"""A watched scaler's small launches: one finishes what the unscale kernel's programs stored
-(``STATS=True``: four values per program) into one row per watched tensor; one records, at
-each ``update()``, the iteration's overflow and the run of skipped steps.
+"""A watched scaler's device work besides the unscale kernel's statistics: one small launch
+finishes what its programs stored (``STATS=True``: four values per program) into one row per
+watched tensor; :func:`record_watch`, run by the update kernel (``WATCH``), records each
+``update()``'s overflow and the run of skipped steps.
 """
 
 from __future__ import annotations
@@ -68,23 +69,22 @@ def launch_finish_stats(partials: torch.Tensor, bounds: torch.Tensor, rows: torc
 
 
 @triton.jit
-def record_update_kernel(
-    flags_ptr,  # *Pointer* to the scaler's fp32 overflow flags (any non-zero: an overflow)
+def record_watch(
+    found,  # this iteration's overflow (the scaler's flags), a scalar
     stats_ptr,  # *Pointer* to the watch's float64 rows of 5 (finish_stats_kernel's out)
     overflow_ptr,  # *Pointer* to float64 rows of 2: the last overflow's inf and NaN counts
     counters_ptr,  # *Pointer* to 5 float64: last overflow step, its scale, iteration, run of
     #                skipped steps, longest run
-    scale_ptr,  # *Pointer* to the fp32 scale of this iteration
-    n_flags,  # Flags at flags_ptr
+    scale_ptr,  # *Pointer* to the fp32 scale of this iteration (before its update)
     n_rows,  # Rows at stats_ptr
     SKIPS: tl.constexpr,  # An overflow skips the step (the run of skipped steps grows)
-    ROWS_BLOCK: tl.constexpr,  # Rows (and flags) read at a time
+    ROWS_BLOCK: tl.constexpr,  # Rows read at a time
 ):
+    """A watched scaler's record of one ``update()`` (run by the update kernel, ``WATCH``):
+    an overflow (``found``, or a watched grad with inf or NaN) copies the rows' counts to the
+    last overflow's, with its iteration and scale; the run of skipped steps and its longest."""
     offsets = tl.arange(0, ROWS_BLOCK)
-    hit = tl.zeros((), tl.int32)
-    for first in range(0, n_flags, ROWS_BLOCK):
-        flags = tl.load(flags_ptr + first + offsets, mask=first + offsets < n_flags, other=0.0)
-        hit = tl.maximum(hit, tl.max((flags != 0).to(tl.int32), axis=0))
+    hit = found.to(tl.int32)
     for first in range(0, n_rows, ROWS_BLOCK):  # a watched grad with inf or NaN
         rows = first + offsets
         mask = rows < n_rows
@@ -114,25 +114,3 @@ def record_update_kernel(
     tl.store(counters_ptr + 2, iteration + 1.0)
     tl.store(counters_ptr + 3, run)
     tl.store(counters_ptr + 4, tl.maximum(longest, run))
-
-
-def launch_record_update(flags: torch.Tensor, stats: torch.Tensor, overflow: torch.Tensor,
-                         counters: torch.Tensor, scale: torch.Tensor, skips: bool) -> None:
-    """Record one ``update()`` of a watched scaler (one single-program launch).
-
-    Args:
-        flags: the scaler's fp32 overflow flags (1-D; any non-zero one: an overflow).
-        stats: float64 ``[n, 5]``, the watch's rows (:func:`launch_finish_stats`); a row
-            with inf or NaN counts is an overflow too.
-        overflow: float64 ``[n, 2]``: set to the rows' inf and NaN counts at an overflow.
-        counters: float64 ``[5]``: the last overflow's iteration and scale (set at an
-            overflow), the iteration (plus one), the run of skipped steps (plus one at an
-            overflow when ``skips``, else 0) and the longest run (the larger of it and the
-            run).
-        scale: the fp32 scale of this iteration (before the update).
-        skips: an overflow skips the step.
-
-    .. note:: Asynchronous: no host sync.
-    """
-    launch(record_update_kernel, 1, (flags, stats, overflow, counters, scale),
-           (flags.numel(), stats.shape[0]), dict(SKIPS=skips, ROWS_BLOCK=ROWS_BLOCK), _OPTIONS)

@@ -18,6 +18,7 @@ import triton.language as tl
 from triton_scaler._kernel_args import PARAMS_LAYOUT  # the params buffer's layout
 
 from .launcher import launch
+from .stats import record_watch
 
 __all__ = ["PARAMS_LAYOUT", "bind_update_scale", "update_scale_kernel"]
 
@@ -33,12 +34,17 @@ def update_scale_kernel(
     params_ptr,  # *Pointer* to the float64 settings, laid out as PARAMS_LAYOUT
     skipped_ptr,  # *Pointer* to last_step_skipped, a bool's byte (RECORD_SKIP)
     skipped_count_ptr,  # *Pointer* to the int64 count of skipped steps (RECORD_SKIP)
+    stats_ptr,  # *Pointer* to a watch's float64 rows of 5 (WATCH: kernels/stats.py)
+    overflow_ptr,  # *Pointer* to the watch's last overflow's counts (WATCH)
+    counters_ptr,  # *Pointer* to the watch's 5 float64 counters (WATCH)
+    n_rows,  # Rows at stats_ptr (WATCH)
     N_FOUND: tl.constexpr,  # Number of flags; any non-zero one is an overflow
     HAS_HYSTERESIS: tl.constexpr,  # Back off only when the hysteresis tracker runs out
     CONSECUTIVE_HYSTERESIS: tl.constexpr,  # Refill the tracker on every clean step
     DYNAMIC: tl.constexpr,  # Update the scale (False: static scaling, flags only)
     RECORD_SKIP: tl.constexpr,  # Write last_step_skipped and the skipped-step count
     RESET_FOUND: tl.constexpr,  # Zero the flags for the next iteration
+    WATCH: tl.constexpr,  # Record the iteration for a watch (before the scale changes)
 ):
     # The iteration's overflow: any of the N_FOUND flags non-zero (NaN counts, as torch's
     # ``found_inf != 0``); RESET_FOUND zeroes them for the next iteration.
@@ -49,6 +55,9 @@ def update_scale_kernel(
     if RECORD_SKIP:  # last_step_skipped (uint8 view of a bool) and the skipped-step count
         tl.store(skipped_ptr, found.to(tl.uint8))
         tl.store(skipped_count_ptr, tl.load(skipped_count_ptr) + found.to(tl.int64))
+    if WATCH:
+        record_watch(found, stats_ptr, overflow_ptr, counters_ptr, scale_ptr, n_rows,
+                     RECORD_SKIP, 128)
     if DYNAMIC:
         _update_scale(scale_ptr, growth_tracker_ptr, hysteresis_tracker_ptr, params_ptr, found,
                       HAS_HYSTERESIS, CONSECUTIVE_HYSTERESIS)
@@ -109,6 +118,7 @@ def bind_update_scale(
     skipped: torch.Tensor | None = None,
     skipped_count: torch.Tensor | None = None,
     reset_found: bool = False,
+    watch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> Callable[[], None]:
     """The update of ``scale`` (0-d fp32), ``growth_tracker`` and ``hysteresis_tracker`` (0-d
     int32) in place from ``found_inf`` and ``params`` (fp64, ``PARAMS_LAYOUT``), all on one
@@ -119,7 +129,9 @@ def bind_update_scale(
     power-of-two count) of which any non-zero one is an overflow. The scaler's whole
     ``update()`` in this one launch: ``skipped`` (0-d bool, or its ``uint8`` view) and
     ``skipped_count`` (0-d int64) record the overflow, ``reset_found`` zeroes the flags for
-    the next iteration and ``dynamic=False`` leaves the scale as it is. Binding launches
+    the next iteration and ``dynamic=False`` leaves the scale as it is. ``watch``: a
+    watch's ``(stats, overflow, counters)`` (float64, kernels/stats.py's
+    :func:`~.stats.record_watch`), recorded before the scale changes. Binding launches
     nothing; a call is asynchronous: no host synchronisation."""
     has_hysteresis = hysteresis_tracker is not None
     n_found = found_inf.numel()
@@ -134,8 +146,9 @@ def bind_update_scale(
         hysteresis_tracker if has_hysteresis else growth_tracker, params,
         skipped if record else found_inf,
         skipped_count if record else growth_tracker,
-    ), (), dict(
+        *(watch if watch is not None else (params, params, params)),
+    ), (0 if watch is None else watch[0].shape[0],), dict(
         N_FOUND=n_found, HAS_HYSTERESIS=has_hysteresis,
         CONSECUTIVE_HYSTERESIS=consecutive_hysteresis, DYNAMIC=dynamic, RECORD_SKIP=record,
-        RESET_FOUND=reset_found,
+        RESET_FOUND=reset_found, WATCH=watch is not None,
     ), _OPTIONS)

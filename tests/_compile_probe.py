@@ -191,15 +191,19 @@ def main():
         signature = {"scale_ptr": "*fp32", "growth_tracker_ptr": "*i32",
                      "found_inf_ptr": "*fp32", "hysteresis_tracker_ptr": "*i32",
                      "params_ptr": "*fp64", "skipped_ptr": "*u8", "skipped_count_ptr": "*i64",
+                     "stats_ptr": "*fp64", "overflow_ptr": "*fp64", "counters_ptr": "*fp64",
+                     "n_rows": "i32",
                      **{name: "constexpr" for name in ("N_FOUND", "HAS_HYSTERESIS",
                                                        "CONSECUTIVE_HYSTERESIS", "DYNAMIC",
-                                                       "RECORD_SKIP", "RESET_FOUND")}}
-        for scaler in (False, True):  # ops.update_scale_ / the scaler's whole update()
-            facts[f"update/hysteresis={hysteresis}/{'scaler' if scaler else 'op'}"] = _compile(
+                                                       "RECORD_SKIP", "RESET_FOUND", "WATCH")}}
+        # ops.update_scale_ / the scaler's whole update() / a watched scaler's
+        for kind in ("op", "scaler", "scaler+watch"):
+            scaler = kind != "op"
+            facts[f"update/hysteresis={hysteresis}/{kind}"] = _compile(
                 update_scale_kernel, signature,
                 {"N_FOUND": 8 if scaler else 1, "HAS_HYSTERESIS": hysteresis,
                  "CONSECUTIVE_HYSTERESIS": False, "DYNAMIC": True, "RECORD_SKIP": scaler,
-                 "RESET_FOUND": scaler}, {}, 1)
+                 "RESET_FOUND": scaler, "WATCH": kind == "scaler+watch"}, {}, 1)
     if TARGET.backend == "hip":  # what FUSED_ADD sees of a contraction: x * x + 1, fused
         facts["control/fp32/fused_multiply_add"] = _compile(
             _multiply_add, {"x_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 1024}, {},

@@ -62,8 +62,6 @@ def _launches(monkeypatch):
                         _Counted(update.update_scale_kernel, "update", counts))
     monkeypatch.setattr(stats, "finish_stats_kernel",
                         _Counted(stats.finish_stats_kernel, "finish_stats", counts))
-    monkeypatch.setattr(stats, "record_update_kernel",
-                        _Counted(stats.record_update_kernel, "record_update", counts))
     yield counts
 
 

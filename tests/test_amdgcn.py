@@ -46,7 +46,7 @@ def _vector(ops, access: str) -> bool:
 
 def test_every_variant_compiles(amd_facts):
     # as test_ptx.py's 52, and the fusion control
-    assert len(_variants(amd_facts)) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4 * 2 * 3 + 1 + 4
+    assert len(_variants(amd_facts)) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4 * 2 * 3 + 1 + 6
     assert _CONTROL in amd_facts
 
 

@@ -26,8 +26,8 @@ def ptx_facts():
 def test_every_variant_compiles(ptx_facts):
     # 16 dtype x path x mode, 6 unaligned-size flat, 2 inv-from-scale, 24 clip (dtype x path
     # x pass), 24 with statistics (dtype x path x unscale / check / clip write), 1 finishing,
-    # 4 update
-    assert len(ptx_facts) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4 * 2 * 3 + 1 + 4
+    # 6 update (op, scaler, watched scaler; with and without hysteresis)
+    assert len(ptx_facts) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4 * 2 * 3 + 1 + 6
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])

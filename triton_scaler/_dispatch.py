@@ -162,16 +162,6 @@ def _watch_stats_fake(grads, inv_scale, backend) -> torch.Tensor:
     return grads[0].new_empty((len(grads), 5), dtype=torch.float64)
 
 
-def bind_record_update(flags: torch.Tensor, stats: torch.Tensor, overflow: torch.Tensor,
-                       counters: torch.Tensor, scale: torch.Tensor,
-                       skips: bool) -> Callable[[], None]:
-    """A watched scaler's ``update()`` record on the Triton backend, bound once: each call of
-    the result is one launch; see :func:`triton_scaler.kernels.launch_record_update`. No
-    host sync."""
-    return partial((_backend.loaded_kernels or triton_kernels()).launch_record_update,
-                   flags, stats, overflow, counters, scale, skips)
-
-
 def note_backward(token: torch.Tensor) -> None:
     """Tell the gradient buckets that a backward follows (host only): in traced code, the
     registered op that does it where the compiled ``scale`` runs."""
@@ -205,22 +195,27 @@ def scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torc
 def bind_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
                        policy: ScalePolicy, *, hysteresis_tracker: torch.Tensor | None,
                        skipped: torch.Tensor, skipped_count: torch.Tensor, backend: str,
-                       params: torch.Tensor | None) -> Callable[[], None]:
+                       params: torch.Tensor | None,
+                       watch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                       ) -> Callable[[], None]:
     """The whole of :meth:`GradScaler.update` on the device, bound once: each call of the
     result is one update. An overflow is any non-zero entry of ``flags`` (1-D fp32, one per
     optimizer); it is recorded in ``skipped`` (0-d bool, or its ``uint8`` view, made once by
     the scaler) and ``skipped_count`` (0-d int64) when ``policy.skip_on_overflow``, the scale
-    is updated when ``policy.dynamic``, and ``flags`` is zeroed. One launch per call on
-    Triton; no host sync."""
+    is updated when ``policy.dynamic``, and ``flags`` is zeroed; ``watch``: a watch's
+    ``(stats, overflow, counters)`` on the scale's device record the iteration first
+    (:func:`reference.record_watch_`). One launch per call on Triton; no host sync."""
     if resolve_backend(backend, scale.device) == "triton":
         return triton_kernels().bind_update_scale(
             scale, growth_tracker, flags,
             policy.kernel_params(scale.device) if params is None else params,
             hysteresis_tracker, policy.consecutive_hysteresis, dynamic=policy.dynamic,
             skipped=skipped if policy.skip_on_overflow else None,
-            skipped_count=skipped_count, reset_found=True)
+            skipped_count=skipped_count, reset_found=True, watch=watch)
 
     def reference_update() -> None:
+        if watch is not None:
+            reference.record_watch_(flags, policy.skip_on_overflow, scale, *watch)
         found = (flags != 0).any()
         if policy.skip_on_overflow:
             skipped.copy_(found)

@@ -615,6 +615,8 @@ class GradScaler(ScalerStateMixin):
                       skipped=self._last_step_skipped, skipped_count=self._skipped_steps_t,
                       params=self._params_t, backend=self._backend, bound=self._bound_update)
         self._reset_iteration()
+        if self._watch is not None:
+            self._watch._updated()
         if at_min_scale:  # raised after the update is complete: the scaler stays usable
             raise MinScaleReachedError(
                 f"Current loss scale already at minimum ({policy.min_scale}) - cannot decrease "
@@ -624,15 +626,17 @@ class GradScaler(ScalerStateMixin):
     def _bound_update(self) -> Callable[[], None]:
         """update()'s device work (``bind_scaler_update``), bound once and kept while the
         policy, the backend and each state tensor it uses are the same objects (compared by
-        identity: an integrator's new ``_scale`` is seen)."""
+        identity: an integrator's new ``_scale`` is seen); with a watch, its record too."""
         scale, growth_tracker = self._scale, self._growth_tracker
         assert scale is not None and growth_tracker is not None  # checked by update()
         flags, skipped, count = self._flags, self._last_step_skipped_bytes, self._skipped_steps_t
         if skipped is None:  # viewed once (see ScalerStateMixin._init_device_state)
             assert self._last_step_skipped is not None  # made with the scale
             skipped = self._last_step_skipped_bytes = self._last_step_skipped.view(torch.uint8)
+        watch = None if self._watch is None else self._watch.update_tensors(scale.device)
         uses = (self._policy, self._backend, scale, growth_tracker, flags,
-                self._hysteresis_tracker_state, skipped, count, self._params_t)
+                self._hysteresis_tracker_state, skipped, count, self._params_t,
+                None if watch is None else watch[0])
         bound = self._update_bound
         if bound is not None and all(map(operator.is_, uses, bound[0])):
             return bound[1]
@@ -640,7 +644,8 @@ class GradScaler(ScalerStateMixin):
         call = bind_scaler_update(scale, growth_tracker, flags, self._policy,
                                       hysteresis_tracker=self._hysteresis_tracker_t,
                                       skipped=skipped, skipped_count=count,
-                                      backend=self._backend, params=self._params_t)
+                                      backend=self._backend, params=self._params_t,
+                                      watch=watch)
         self._update_bound = (uses, call)
         return call
 

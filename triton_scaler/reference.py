@@ -216,3 +216,20 @@ def _chunk_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor,
     nonfinite_t, nan_t = torch.stack(nonfinite).double(), torch.stack(nan).double()
     return torch.stack([torch.stack(amax).double(), torch.stack(norm).double().square(),
                         nonfinite_t - nan_t, nan_t, torch.ones_like(nan_t)], dim=1)
+
+
+def record_watch_(flags: torch.Tensor, skips: bool, scale: torch.Tensor, stats: torch.Tensor,
+                  overflow: torch.Tensor, counters: torch.Tensor) -> None:
+    """A watch's record of one ``update()`` (the update kernel's ``WATCH``, in torch's ops):
+    an overflow (a non-zero flag, or a watched row with inf or NaN counts) copies the rows'
+    counts to ``overflow`` and sets ``counters`` ``[last overflow's iteration, its scale,
+    iteration, run of skipped steps, longest run]`` (float64: exact)."""
+    found = (flags != 0).any()
+    hit = found.to(counters.device).reshape(()) | (stats[:, 2:4].sum() > 0)
+    overflow.copy_(torch.where(hit, stats[:, 2:4], overflow))
+    skipped = hit.double() if skips else torch.zeros_like(counters[3])
+    run = (counters[3] + 1) * skipped
+    counters.copy_(torch.stack([
+        torch.where(hit, counters[2], counters[0]),
+        torch.where(hit, scale.to(counters.device, torch.float64).reshape(()), counters[1]),
+        counters[2] + 1, run, torch.maximum(counters[4], run)]))

@@ -13,12 +13,11 @@ from typing import Any
 
 import torch
 
-from ._backend import resolve_backend
 from ._compile import is_traced
-from ._dispatch import bind_finish_stats, bind_record_update, watch_stats
+from ._dispatch import bind_finish_stats, watch_stats
 from ._distributed import is_dtensor, mesh_layout, reduce_rows
 from ._watch_pass import FusedPass, plan_pass
-from .reference import inv_scale_of
+from .reference import inv_scale_of, record_watch_
 
 __all__ = ["GradWatch", "WatchReport", "Overflow", "SkippedStepsError"]
 
@@ -219,9 +218,6 @@ class GradWatch:
         self._rows: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._seen_any: set[int] | None = set()  # until the first update: which were seen
         self._passes: dict[int, FusedPass] = {}  # by id(optimizer)
-        #: (flags, scale, skips, the bound record launch or None): update()'s, kept while
-        #: the scaler hands the same tensors
-        self._bound_record: tuple | None = None
         #: the rows of DTensor grads sharded over process groups: those groups, by row (a
         #: report reduces their shards' numbers over them); a scaler with a process_group
         #: (ShardedGradScaler, FSDP1) reduces every row over it
@@ -367,52 +363,38 @@ class GradWatch:
         return kept[1]
 
     def _record_update(self, flags: torch.Tensor, skips: bool, scale: torch.Tensor) -> None:
-        """Before ``update()`` changes the scale: record this iteration's overflow (a
-        non-zero entry of ``flags``, the scaler's: it found inf / NaN; or a watched grad's;
-        the step is skipped where ``skips``) with ``scale``, and the run of skipped steps.
-        On the Triton backend one launch, else device ops; a host read only every
-        ``check_every`` updates (:meth:`report`)."""
-        traced = is_traced()
-        if not traced and self._seen_any is not None:
-            self._warn_unseen()
+        """Before ``update()`` changes the scale: in traced code record this iteration's
+        overflow (a non-zero entry of ``flags``, the scaler's: it found inf / NaN; or a
+        watched grad's; the step is skipped where ``skips``) with ``scale``, and the run of
+        skipped steps (:func:`reference.record_watch_`); also in eager code where the watch's
+        tensors are on another device than the scale. Otherwise the update's own launch records
+        them (:meth:`update_tensors`). Then :meth:`_updated`."""
         state = self._device_state(scale.device)
-        bound = self._bound_record
-        if traced:
-            launch = None
-        elif bound is not None and bound[0] is flags and bound[1] is scale and \
-                bound[2] is skips:
-            launch = bound[3]  # a loop's steady state: the launch bound before
-        else:
-            counters = state["counters"]
-            launch = bind_record_update(flags, state["stats"], state["overflow"], counters,
-                                        scale, skips) \
-                if flags.device == counters.device and \
-                resolve_backend(self._scaler._backend, counters.device) == "triton" else None
-            self._bound_record = (flags, scale, skips, launch)
-        if launch is not None:
-            launch()
-        else:  # the same numbers (counts and copies: exact)
-            self._record_with_torch(flags, skips, scale, state)
-        if traced:  # a compiled update counts nothing on the host (check_every: eager only)
+        if is_traced() or state["counters"].device != scale.device:
+            record_watch_(flags, skips, scale, state["stats"], state["overflow"],
+                          state["counters"])
+
+    def update_tensors(self, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """What the scaler's eager ``update()`` records into (``(stats, overflow,
+        counters)``), when they are on the scale's ``device``; else None (see
+        :meth:`_updated`)."""
+        state = self._device_state(device)
+        if state["counters"].device != device:
+            return None
+        return state["stats"], state["overflow"], state["counters"]
+
+    def _updated(self) -> None:
+        """After an eager ``update()``: the warning about parameters never seen (at the
+        first), and every ``check_every`` updates a :meth:`report` (a host read). Nothing in
+        traced code (a compiled update counts nothing on the host)."""
+        if is_traced():
             return
+        if self._seen_any is not None:
+            self._warn_unseen()
         self._updates += 1
         if self.check_every is not None and self._updates % self.check_every == 0:
             self.report()  # raises SkippedStepsError past the limit
-
-    @staticmethod
-    def _record_with_torch(flags: torch.Tensor, skips: bool, scale: torch.Tensor,
-                           state: dict[str, torch.Tensor]) -> None:
-        """:meth:`_record_update`'s device work in torch's ops (the reference path)."""
-        stats, overflow, counters = state["stats"], state["overflow"], state["counters"]
-        found = (flags != 0).any()
-        hit = found.to(counters.device).reshape(()) | (stats[:, _INF:_NAN + 1].sum() > 0)
-        overflow.copy_(torch.where(hit, stats[:, _INF:_NAN + 1], overflow))
-        skipped = hit.double() if skips else torch.zeros_like(counters[3])
-        run = (counters[3] + 1) * skipped
-        counters.copy_(torch.stack([
-            torch.where(hit, counters[2], counters[0]),
-            torch.where(hit, scale.to(counters.device, torch.float64).reshape(()), counters[1]),
-            counters[2] + 1, run, torch.maximum(counters[4], run)]))
 
     def _warn_unseen(self) -> None:
         """At the first update: warn once about watched parameters no optimizer of the
