@@ -252,6 +252,27 @@ def test_a_checkpoint_with_a_watch_loads_in_torchs_scaler_and_back(backend):
     assert again.get_scale() == scaler.get_scale()
 
 
+def test_a_watched_scaler_pickles_without_its_watch(backend):
+    """A watch is not the scaler's state: a watched scaler with GradBuckets pickles (as torch's
+    scaler does at the start of an iteration), and the copy has no watch."""
+    import pickle
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    GradBuckets(opt)
+    scaler = GradScaler("cpu", backend=backend)
+    watch = scaler.watch(model)
+    for _ in range(2):
+        scaler.scale(model(torch.randn(2, 5)).sum()).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    copy = pickle.loads(pickle.dumps(scaler))
+    assert copy.get_scale() == scaler.get_scale()
+    copy.watch(model).close()  # no watch came along: a new one can be made
+    assert watch.report().step == 2
+
+
 def test_parameters_of_other_tensor_subclasses_are_refused_clearly():
     """A watch takes plain and DTensor parameters; another subclass (FSDP1's FlatParameter
     without use_orig_params, say) is refused, naming it, rather than watched wrongly."""

@@ -407,6 +407,7 @@ class ScalerStateMixin(torch.amp.GradScaler):
         state["_update_bound"] = None  # holds the device tensors and a kernel: bound again
         state["_backward_token"] = None  # made again on load: the pickle holds no tensor
         state["_process_group"] = None  # process groups do not pickle; set it again after load
+        state["_watch"] = None  # a watch is not the scaler's state (nor in its state_dict)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

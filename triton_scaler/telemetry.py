@@ -10,6 +10,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -217,7 +218,9 @@ class GradWatch:
         #: same rows every step: uploaded once)
         self._rows: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._seen_any: set[int] | None = set()  # until the first update: which were seen
-        self._passes: dict[int, FusedPass] = {}  # by id(optimizer)
+        #: by optimizer (weakly: an optimizer that goes takes its pass along; a plain dict
+        #: once an optimizer-like object takes no weak reference)
+        self._passes: WeakKeyDictionary | dict = WeakKeyDictionary()
         #: the rows of DTensor grads sharded over process groups: those groups, by row (a
         #: report reduces their shards' numbers over them); a scaler with a process_group
         #: (ShardedGradScaler, FSDP1) reduces every row over it
@@ -325,10 +328,13 @@ class GradWatch:
         if is_traced():
             self._observe(optimizer, inv_scale_of(scale))
             return None, groups, [None] * len(groups)
-        kept = self._passes.get(id(optimizer))
+        try:
+            kept = self._passes.get(optimizer)
+        except TypeError:  # an optimizer-like object without __weakref__: by its id
+            self._passes = dict(self._passes)
+            kept = self._passes.get(optimizer)
         if kept is None or not kept.fits(groups):
-            kept = self._passes[id(optimizer)] = self._plan_pass(optimizer, groups,
-                                                                 scale.device)
+            kept = self._passes[optimizer] = self._plan_pass(optimizer, groups, scale.device)
         if kept.fallback:
             self._observe_rows(kept.fallback, inv_scale_of(scale))
         # this call's groups to launch, each bucket's as its parameters' (not kept: they hold
