@@ -6,9 +6,7 @@ steps, with one device-to-host copy. Nothing is read on the host before ``report
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Iterable
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -16,173 +14,15 @@ import torch
 
 from ._compile import is_traced
 from ._dispatch import bind_finish_stats, watch_stats
-from ._distributed import is_dtensor, mesh_layout, reduce_rows
-from ._watch_pass import FusedPass, plan_pass
+from ._distributed import is_dtensor, mesh_layout
+from ._watch_pass import FusedPass, named_parameters_of, plan_pass, reduced_over_shards
+from ._watch_report import Overflow, SkippedStepsError, WatchReport
 from .reference import inv_scale_of, record_watch_
 
 __all__ = ["GradWatch", "WatchReport", "Overflow", "SkippedStepsError"]
 
 #: the columns of a watch's per-parameter stats (then: seen); the norm's square is kept
 _AMAX, _SUMSQ, _INF, _NAN = range(4)
-
-
-class SkippedStepsError(RuntimeError):
-    """More than ``max_consecutive_skips`` steps in a row were skipped (the loss scale cannot
-    find a value at which the gradients are finite): raised by :meth:`GradWatch.report`, or
-    by ``update()`` every ``check_every`` updates when that is set."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Overflow:
-    """The last iteration whose gradients had inf or NaN values.
-
-    Attributes:
-        step: the iteration's index since ``watch()`` (the number of ``update()`` calls
-            before it).
-        tensors: ``(name, inf count, NaN count)`` of each watched parameter with non-finite
-            values, the parameter registered last first (for a model: nearest the loss, the
-            likely origin: inf and NaN spread backwards through the graph).
-        scale: the loss scale of that iteration.
-    """
-
-    step: int
-    tensors: list[tuple[str, int, int]]
-    scale: float
-
-    def __str__(self) -> str:
-        if not self.tensors:
-            return (f"overflow at step {self.step} (scale {self.scale:g}): in no watched "
-                    "parameter")
-        lines = [f"overflow at step {self.step} (scale {self.scale:g}), "
-                 f"{len(self.tensors)} parameter(s) with non-finite gradients, nearest the loss "
-                 "first:"]
-        lines += [f"  {name}: {inf} inf, {nan} NaN" for name, inf, nan in self.tensors]
-        return "\n".join(lines)
-
-
-@dataclasses.dataclass(frozen=True)
-class WatchReport:
-    """What :meth:`GradWatch.report` read: Python numbers only.
-
-    Attributes:
-        step: ``update()`` calls since ``watch()``.
-        norm: per parameter name, the L2 norm of its unscaled gradient before clipping, at
-            the last iteration that unscaled or checked the grads (NaN: never seen; see
-            ``has_grad``).
-        amax: per parameter name, the largest absolute value there (NaN when it had a NaN).
-        nonfinite: per parameter name, ``(inf count, NaN count)`` there.
-        has_grad: per parameter name, whether it had a gradient there.
-        last_overflow: the last iteration with non-finite gradients, or None.
-        scale: the loss scale now.
-        skipped_steps: steps skipped since the scaler was made.
-        consecutive_skips: steps skipped in a row up to now.
-        most_consecutive_skips: the longest run of skipped steps since the last report.
-    """
-
-    step: int
-    norm: dict[str, float]
-    amax: dict[str, float]
-    nonfinite: dict[str, tuple[int, int]]
-    has_grad: dict[str, bool]
-    last_overflow: Overflow | None
-    scale: float
-    skipped_steps: int
-    consecutive_skips: int
-    most_consecutive_skips: int
-
-    @property
-    def total_norm(self) -> float:
-        """The L2 norm of all watched gradients together (those that had one)."""
-        return math.sqrt(sum(n * n for name, n in self.norm.items() if self.has_grad[name]))
-
-    def metrics(self, prefix: str = "", rollup: str | Callable[[str], str] | None = None
-                ) -> dict[str, float]:
-        """A flat ``{name: float}`` for any logger.
-
-        Args:
-            prefix: put before every key, e.g. ``"grad/"``.
-            rollup: None for one entry per parameter; ``"module"`` for one per module (the
-                name up to its last dot); or a function from a parameter name to its group.
-                A group's norm is the L2 norm over its members, its amax their largest, its
-                counts their sums.
-
-        Returns:
-            ``{prefix}{name}/norm``, ``/amax``, ``/inf``, ``/nan`` per parameter or group
-            (those that had a gradient), and ``{prefix}total_norm``, ``scale``,
-            ``skipped_steps``, ``consecutive_skips``, ``nonfinite_params``.
-        """
-        group_of = _group_function(rollup)
-        groups: dict[str, list[float]] = {}
-        for name in self.norm:
-            if not self.has_grad[name]:
-                continue
-            inf, nan = self.nonfinite[name]
-            acc = groups.setdefault(group_of(name), [0.0, 0.0, 0.0, 0.0])
-            acc[0] += self.norm[name] ** 2
-            acc[1] = _nan_max(acc[1], self.amax[name])
-            acc[2] += inf
-            acc[3] += nan
-        out: dict[str, float] = {}
-        for group, (sumsq, amax, infs, nans) in groups.items():
-            out[f"{prefix}{group}/norm"] = math.sqrt(sumsq)
-            out[f"{prefix}{group}/amax"] = amax
-            out[f"{prefix}{group}/inf"] = infs
-            out[f"{prefix}{group}/nan"] = nans
-        out[f"{prefix}total_norm"] = self.total_norm
-        out[f"{prefix}scale"] = self.scale
-        out[f"{prefix}skipped_steps"] = float(self.skipped_steps)
-        out[f"{prefix}consecutive_skips"] = float(self.consecutive_skips)
-        out[f"{prefix}nonfinite_params"] = float(sum(
-            1 for name, (inf, nan) in self.nonfinite.items() if inf or nan))
-        return out
-
-
-def _nan_max(a: float, b: float) -> float:
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
-
-
-def _group_function(rollup: str | Callable[[str], str] | None) -> Callable[[str], str]:
-    if rollup is None:
-        return lambda name: name
-    if rollup == "module":
-        return lambda name: name.rpartition(".")[0] or name
-    if callable(rollup):
-        return rollup
-    raise ValueError(f"rollup must be None, 'module' or a function of a name; got {rollup!r}")
-
-
-def named_parameters_of(model: Any) -> list[tuple[str, torch.Tensor]]:
-    """``model``'s named parameters that take gradients: an ``nn.Module``, or ``(name,
-    parameter)`` pairs. ``TypeError`` naming ``model`` for anything else."""
-    pairs: list[tuple[str, torch.Tensor]]
-    if isinstance(model, torch.nn.Module):
-        pairs = list(model.named_parameters())
-    elif isinstance(model, Iterable) and not isinstance(model, (str, bytes, torch.Tensor)):
-        pairs = list(model)
-        for i, pair in enumerate(pairs):
-            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
-                    and isinstance(pair[1], torch.Tensor)):
-                raise TypeError(
-                    f"model must be an nn.Module or (name, parameter) pairs, e.g. "
-                    f"model.named_parameters(); item {i} is a {type(pair).__name__} "
-                    "(parameters without names: pass model.named_parameters(), not "
-                    "model.parameters())")
-    else:
-        raise TypeError(f"model must be an nn.Module or (name, parameter) pairs, e.g. "
-                        f"model.named_parameters(); got {type(model).__name__}")
-    pairs = [(name, p) for name, p in pairs if p.requires_grad]
-    for name, p in pairs:
-        if type(p) not in (torch.Tensor, torch.nn.Parameter) and not is_dtensor(p):
-            raise NotImplementedError(
-                f"model's parameter {name!r} is a {type(p).__name__}: a watch takes plain "
-                "parameters and DTensor ones (FSDP2, tensor parallel); for FSDP1 wrap with "
-                "use_orig_params=True and watch the wrapped model's named_parameters()")
-    if not pairs:
-        raise ValueError("model has no parameters that take gradients: nothing to watch")
-    names = [name for name, _ in pairs]
-    if len(set(names)) != len(names):
-        raise ValueError("model names a parameter twice; names must be unique")
-    return pairs
 
 
 class GradWatch:
@@ -449,7 +289,8 @@ class GradWatch:
         else:  # nothing ran yet
             extra = torch.tensor([scaler.get_scale(), 0.0], dtype=torch.float64,
                                  device=counters.device)
-        stats, overflow = self._reduced(state["stats"], state["overflow"])
+        stats, overflow = reduced_over_shards(state["stats"], state["overflow"],
+                                              self._sharded, self._scaler._process_group)
         packed = torch.cat([stats.t().reshape(-1), overflow.t().reshape(-1), counters, extra])
         values = packed.tolist()  # the one host copy
         scale_now, skipped = values[-2], int(values[-1])
@@ -473,40 +314,6 @@ class GradWatch:
             consecutive_skips=int(run), most_consecutive_skips=int(most))
         self._raise_if_too_many_skips(most, report)
         return report
-
-    def _reduced(self, stats: torch.Tensor, overflow: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of sharded grads as the whole gradient's: squares and counts summed over
-        the shards, amax their largest (a collective per process group and kind, made by every
-        rank's ``report()``); the others as recorded."""
-        by_groups: dict[tuple[int, ...], tuple[tuple[Any, ...], list[int]]] = {}
-        if self._scaler._process_group is not None:
-            rows = [i for i in range(len(self.names)) if i not in self._sharded]
-            by_groups[(id(self._scaler._process_group),)] = \
-                ((self._scaler._process_group,), rows)
-        for i, groups in self._sharded.items():
-            by_groups.setdefault(tuple(map(id, groups)), (groups, []))[1].append(i)
-        if not by_groups:
-            return stats, overflow
-        stats, overflow = stats.clone(), overflow.clone()
-        for groups, rows in by_groups.values():
-            index = torch.tensor(rows, dtype=torch.int64, device=stats.device)
-            sub = stats.index_select(0, index)
-            seen = sub[:, 4:5] > 0  # a shard without a grad adds nothing
-            sums = torch.cat([torch.where(seen, sub[:, 1:5], 0.0),
-                              overflow.index_select(0, index)], 1)
-            maxima = torch.where(seen[:, 0], sub[:, _AMAX], 0.0).nan_to_num(nan=0.0)
-            reduce_rows(sums, maxima, groups)
-            anywhere = sums[:, 3:4] > 0
-            nan = math.nan
-            amax = torch.where(sums[:, 2] > 0, nan, maxima)
-            whole = torch.cat([amax[:, None], sums[:, 0:3], anywhere.double()], 1)
-            stats.index_copy_(0, index, torch.where(anywhere, whole,
-                                                    torch.tensor([nan, nan, 0.0, 0.0, 0.0],
-                                                                 dtype=stats.dtype,
-                                                                 device=stats.device)))
-            overflow.index_copy_(0, index, sums[:, 4:6])
-        return stats, overflow
 
     def _raise_if_too_many_skips(self, most: float, report: WatchReport) -> None:
         limit = self.max_consecutive_skips
