@@ -2,7 +2,8 @@
 public module above them, ``kernels/`` imports nothing from the package but the description
 of its arguments (``triton_scaler/_kernel_args.py``), the unscale kernel is launched from
 the dispatch layer (``triton_scaler/_dispatch.py``) alone, and launch planning keeps what it reuses in
-one bounded store, which a scaler step and an ops call both fill."""
+one bounded store, which a scaler step and an ops call both fill; and, traced at run time, a
+steady-state ``unscale_`` calls down through at most six files."""
 
 import ast
 from pathlib import Path
@@ -129,3 +130,45 @@ def test_internal_modules_import_no_public_module_above_them():
     for name, imported in _package_imports().items():
         if (name.startswith("_") and not name.startswith("__")) or name.startswith("kernels."):
             assert not (imported & public), (name, imported & public)
+
+
+def _ours(filename: str) -> bool:
+    path = Path(filename).resolve()
+    return (ROOT / "triton_scaler") in path.parents or (ROOT / "kernels") in path.parents
+
+
+def test_a_steady_state_unscale_passes_through_at_most_six_files(backend):
+    """The fifth ``unscale_`` over grads kept in place calls down through at most six of the
+    package's files: those whose code calls into another of them (the scaler's entry, the
+    scaler, grad collection, dispatch, and on Triton the kernel's launch helper), then the one
+    doing the device work (the reference path, or the launcher). Leaf lookups that return at
+    once (the scaler's state, planning's store) are not passed through."""
+    import sys
+
+    params = [torch.nn.Parameter(torch.ones(n)) for n in (5, 7)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = GradScaler("cpu", backend=backend)
+    through: set[str] = set()
+
+    def profile(frame, event, arg):
+        caller = frame.f_back
+        if event == "call" and caller is not None and _ours(frame.f_code.co_filename) and \
+                _ours(caller.f_code.co_filename) and \
+                caller.f_code.co_filename != frame.f_code.co_filename:
+            through.add(Path(caller.f_code.co_filename).name)
+
+    for i in range(5):
+        scaler.scale(sum(p.sum() for p in params)).backward()
+        if i == 4:
+            sys.setprofile(profile)
+        try:
+            scaler.unscale_(opt)
+        finally:
+            sys.setprofile(None)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=False)
+    device_work = "reference.py" if backend == "reference" else "launcher.py"
+    assert through | {device_work} <= {"_compile.py", "grad_scaler.py", "_grads.py",
+                                       "_dispatch.py", "unscale.py", device_work}
+    assert len(through | {device_work}) <= 6, through
