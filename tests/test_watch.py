@@ -378,38 +378,3 @@ def test_a_watched_ddp_run_reports_the_reduced_gradients_on_every_rank(tmp_path,
     assert results[0]["expected"] == results[1]["expected"]  # the reduced grads: one value
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
-
-
-def test_compiled_calls_report_what_eager_calls_report(backend):
-    """A watched scaler's calls under ``torch.compile`` (they run eagerly there, between
-    graphs) record what the eager calls record, bit for bit, and change no result."""
-    reports, params = [], []
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        scaler = GradScaler("cpu", init_scale=2.0**10, backend=backend)
-        watch = scaler.watch(model)
-
-        def post(scaler=scaler, opt=opt):
-            scaler.clip_grad_norm_(opt, 0.05)
-            scaler.step(opt)
-            scaler.update()
-
-        post = torch.compile(post, backend="aot_eager") if compiled else post
-        gen = torch.Generator().manual_seed(1)
-        for step in range(4):
-            loss = model(torch.randn(4, 5, generator=gen)).square().mean()
-            scaler.scale(loss).backward()
-            if step == 2:
-                model[2].weight.grad[0, 0] = math.inf
-            post()
-            opt.zero_grad()
-        reports.append(watch.report())
-        params.append([p.detach().clone() for p in model.parameters()])
-    eager, compiled = reports
-    assert compiled.amax == eager.amax and compiled.norm == eager.norm
-    assert compiled.nonfinite == eager.nonfinite and compiled.last_overflow == eager.last_overflow
-    assert compiled.last_overflow.tensors[0] == ("2.weight", 1, 0)
-    for a, b in zip(*params):
-        assert torch.equal(a, b)
