@@ -144,17 +144,13 @@ def _watch_stats_impl(grads: list[torch.Tensor], inv_scale: torch.Tensor,
 def _stats_bounds(ranges: list[tuple[int, int]], device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``ranges`` (each grad's programs) and the rows ``0..n-1`` as device tensors, uploaded
-    once per pattern (kept in planning's store; a CUDA upload through pinned memory, which
-    does not wait for the device)."""
+    once per pattern (kept in planning's store; :func:`_plans.upload`)."""
     key = ("stats", device, tuple(ranges))
     kept = _plan_store.lookup(key)
     if kept is None:
-        host = torch.tensor(ranges, dtype=torch.int64).reshape(-1, 2)
-        rows = torch.arange(len(ranges), dtype=torch.int64)
-        if device.type == "cuda":
-            host, rows = host.pin_memory(), rows.pin_memory()
-        kept = _plan_store.keep(key, (host.to(device, non_blocking=True),
-                                      rows.to(device, non_blocking=True)))
+        kept = _plan_store.keep(key, (
+            _plans.upload(torch.tensor(ranges, dtype=torch.int64).reshape(-1, 2), device),
+            _plans.upload(torch.arange(len(ranges), dtype=torch.int64), device)))
     return kept
 
 

@@ -188,16 +188,23 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
     rel = rel.div_(first.element_size(), rounding_mode="floor")
     overlapping = _ranges_overlap(rel, sizes)
     table = torch.stack([rel[owner].add_(offset), length], 1)
-    if first.is_cuda:  # pinned + non_blocking: the upload does not wait for the stream
-        host = table.pin_memory()
-        table = host.to(first.device, non_blocking=True)
-        if torch.cuda.is_current_stream_capturing():  # the graph replays this upload
-            _captured[id(host)] = host
-    return _plan_store.keep(key, (table, overlapping))
+    return _plan_store.keep(key, (upload(table, first.device), overlapping))
 
 
-#: The pinned host buffers of table uploads that a captured CUDA graph replays: a graph keeps
-#: raw addresses, so these live as long as the process, whatever the store drops.
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor of planning (a chunk table, a watch's program ranges) on ``device``: on
+    CUDA through pinned memory and ``non_blocking``, so the upload does not wait for the
+    stream (a pageable copy would). No host sync."""
+    if device.type != "cuda":
+        return host.to(device)
+    pinned = host.pin_memory()
+    if torch.cuda.is_current_stream_capturing():  # the graph replays this upload
+        _captured[id(pinned)] = pinned
+    return pinned.to(device, non_blocking=True)
+
+
+#: The pinned host buffers of uploads that a captured CUDA graph replays: a graph keeps raw
+#: addresses, so these live as long as the process, whatever the store drops.
 _captured: dict[int, torch.Tensor] = {}
 
 

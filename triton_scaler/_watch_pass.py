@@ -15,7 +15,7 @@ import torch
 from ._backend import triton_kernels
 from ._distributed import is_dtensor, reduce_rows
 from ._grads import GradGroup
-from ._plans import plan_unscale, program_ranges
+from ._plans import plan_unscale, program_ranges, upload
 
 
 def plan_pass(index: dict[int, int], groups: list, stats_device: torch.device) -> FusedPass:
@@ -59,8 +59,8 @@ def plan_pass(index: dict[int, int], groups: list, stats_device: torch.device) -
     return FusedPass(
         groups, numels, stand_ins if any(x is not None for x in stand_ins) else [],
         [None if slot is None else partials[slot[0]:slot[0] + slot[1]] for slot in slots],
-        partials, torch.tensor(bounds, dtype=torch.int64).reshape(-1, 2).to(stats_device),
-        torch.tensor(rows, dtype=torch.int64).to(stats_device), set(rows))
+        partials, upload(torch.tensor(bounds, dtype=torch.int64).reshape(-1, 2), stats_device),
+        upload(torch.tensor(rows, dtype=torch.int64), stats_device), set(rows))
 
 
 _NUMEL = torch.Tensor.numel

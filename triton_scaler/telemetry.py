@@ -15,6 +15,7 @@ import torch
 from ._compile import is_traced
 from ._dispatch import bind_finish_stats, watch_stats
 from ._distributed import is_dtensor, mesh_layout
+from ._plans import upload
 from ._watch_pass import FusedPass, named_parameters_of, plan_pass, reduced_over_shards
 from ._watch_report import Overflow, SkippedStepsError, WatchReport
 from .reference import inv_scale_of, record_watch_
@@ -158,9 +159,9 @@ class GradWatch:
                     ) -> tuple[FusedPass | None, list, list]:
         """Before a call's launches over ``groups`` (the optimizer's grads, collected): the
         statistics buffer each Triton launch stores into (``.slices``, None for a group that
-        does not), and the stats of the watched grads no launch covers recorded by torch's
-        ops now (a group on the reference path or another device, a gradient bucket, grads
-        that share memory). Kept per optimizer while its groups launch the same plans (a
+        does not), and the stats of the watched grads no launch covers recorded now by
+        :meth:`_observe_rows` (a group on the reference path or another device, a bucket's
+        first call, aliased grads). Kept per optimizer while its groups launch the same plans (a
         training loop's steady state: no host work per parameter). Returns it, the groups to
         launch (a bucket's through its parameters' views) and each one's statistics buffer.
         Then :meth:`_finish`. In traced code (``torch.compile``): the statistics now, from
@@ -170,7 +171,7 @@ class GradWatch:
             return None, groups, [None] * len(groups)
         try:
             kept = self._passes.get(optimizer)
-        except TypeError:  # an optimizer-like object without __weakref__: by its id
+        except TypeError:  # an optimizer-like object without __weakref__: a plain dict
             self._passes = dict(self._passes)
             kept = self._passes.get(optimizer)
         if kept is None or not kept.fits(groups):
@@ -184,12 +185,11 @@ class GradWatch:
              for group, stand_in in zip(groups, kept.stand_ins)], kept.slices
 
     def _plan_pass(self, optimizer: Any, groups: list, device: torch.device) -> FusedPass:
-        stats_device = self._device_state(device)["stats"].device
-        fused = plan_pass(self._index, groups, stats_device)
+        stats = self._device_state(device)["stats"]
+        fused = plan_pass(self._index, groups, stats.device)
         fused.fallback = self._watched_in(optimizer, fused.covered)
         if fused.rows.numel():
-            fused.finish = bind_finish_stats(fused.partials, fused.bounds, fused.rows,
-                                             self._device_state(device)["stats"])
+            fused.finish = bind_finish_stats(fused.partials, fused.bounds, fused.rows, stats)
         if self._seen_any is not None:
             self._seen_any.update(fused.covered)
         return fused
@@ -205,7 +205,7 @@ class GradWatch:
         are the same (no upload in a loop's steady state)."""
         kept = self._rows
         if kept is None or kept[0] != rows:
-            kept = self._rows = (rows, torch.tensor(rows, dtype=torch.int64, device=device))
+            kept = self._rows = (rows, upload(torch.tensor(rows, dtype=torch.int64), device))
         return kept[1]
 
     def _record_update(self, flags: torch.Tensor, skips: bool, scale: torch.Tensor) -> None:
