@@ -197,18 +197,30 @@ def measure_pair(n_params: int, ours: dict, torch_flags: dict, repeats: int = 30
     step (as a training step's forward and backward do), the two scalers alternating.
     ``device="cuda"``: real launches on the GPU, no launch counts. ``host_layout``: see
     ``HOST_LAYOUTS``."""
-    ours, torch_flags = ({**flags, "host_layout": host_layout} for flags in (ours, torch_flags))
+    return _measure(n_params, {"ours": ("ours", ours), "torch": ("torch", torch_flags)},
+                    repeats, cold, device, host_layout)
+
+
+def _measure(n_params: int, cases: dict[str, tuple[str, dict]], repeats: int, cold: bool,
+             device: str, host_layout: str) -> dict:
+    """Two steps (``{name: (impl, flags)}``, the first's time over the second's is "ratio")
+    built side by side and timed in the same process (see :func:`measure_pair`): per name
+    the median seconds per step, and on the CPU its launches (``{name}_counts``)."""
+    cases = {name: (impl, {**flags, "host_layout": host_layout})
+             for name, (impl, flags) in cases.items()}
     with noop_launches() if device == "cpu" else contextlib.nullcontext():
-        pairs = [make_step("ours", n_params, device=device, **ours),
-                 make_step("torch", n_params, device=device, **torch_flags)]
+        pairs = [make_step(impl, n_params, device=device, **flags)
+                 for impl, flags in cases.values()]
         _settle()
         for _, step in pairs:
             step()
-        ours_times, torch_times = _timed(pairs, repeats, cold)
-    return {"ours": statistics.median(ours_times), "torch": statistics.median(torch_times),
-            "ratio": statistics.median(a / b for a, b in zip(ours_times, torch_times)),
-            "ours_counts": _counted("ours", n_params, **ours),
-            "torch_counts": _counted("torch", n_params, **torch_flags)}
+        first, second = _timed(pairs, repeats, cold)
+    result = {name: statistics.median(times) for name, times in zip(cases, (first, second))}
+    result["ratio"] = statistics.median(a / b for a, b in zip(first, second))
+    if device == "cpu":
+        for name, (impl, flags) in cases.items():
+            result[f"{name}_counts"] = _counted(impl, n_params, **flags)
+    return result
 
 
 _EVICT = 64 * 2**20 // 4  # float32 elements: larger than any CPU cache
@@ -278,18 +290,8 @@ def measure_watch(n_params: int, flags: dict, repeats: int = 30, cold: bool = Fa
                   host_layout: str = "dense") -> dict:
     """Ours with ``scaler.watch`` over every parameter against ours without, timed in the
     same process as :func:`measure_pair` times two scalers; launches per step of each."""
-    flags = {**flags, "host_layout": host_layout}
-    with noop_launches():
-        pairs = [make_step("ours", n_params, watch=True, **flags),
-                 make_step("ours", n_params, **flags)]
-        _settle()
-        for _, step in pairs:
-            step()
-        watched, plain = _timed(pairs, repeats, cold)
-    return {"watched": statistics.median(watched), "plain": statistics.median(plain),
-            "ratio": statistics.median(a / b for a, b in zip(watched, plain)),
-            "watched_counts": _counted("ours", n_params, watch=True, **flags),
-            "plain_counts": _counted("ours", n_params, **flags)}
+    return _measure(n_params, {"watched": ("ours", {**flags, "watch": True}),
+                               "plain": ("ours", flags)}, repeats, cold, "cpu", host_layout)
 
 
 def watch_row(n: int, index: int, host_layout: str = "dense") -> str:
