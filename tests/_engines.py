@@ -6,6 +6,7 @@ beside torch's op (:func:`ops_on_dtensor_grads`, :func:`a_dtensor_of_a_subclass`
 import math
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 from _spawn import attempt, init_group
@@ -14,6 +15,9 @@ ENGINES = ("fsdp2", "fsdp2_fused", "fsdp2_mixed_precision", "ddp", "ddp_bucket_v
            "fsdp1", "fsdp1_orig_params")
 #: FSDP2 on a 2-D mesh of 4 ranks: HSDP (replicate x shard) and tensor parallel x FSDP2
 MESH_ENGINES = ("fsdp2_hsdp", "fsdp2_tp")
+#: the 2-D mesh cases as test parameters: one 4-rank spawn per backend (about 47 s of the
+#: default tier's time on 2 cores), so they run in the long tier, which CI runs too
+MESH_PARAMS = [pytest.param(engine, marks=pytest.mark.exhaustive) for engine in MESH_ENGINES]
 INJECTIONS = ("loss", "grad")  # inf in rank 1's loss (spread by the engine) / in its own grad
 OVERFLOW_STEPS = (2, 5)
 PLANTED_RANKS = ((), (1,), (0, 1))  # the ranks holding an inf in ops_on_dtensor_grads

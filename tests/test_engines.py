@@ -20,6 +20,7 @@ from _engines import (
     ENGINES,
     INJECTIONS,
     MESH_ENGINES,
+    MESH_PARAMS,
     OVERFLOW_STEPS,
     PLANTED_RANKS,
     run,
@@ -61,7 +62,7 @@ def _engine_results(backend, engine, tmp_path_factory):
 
 
 @pytest.mark.parametrize("injection", INJECTIONS)
-@pytest.mark.parametrize("engine", ENGINES + MESH_ENGINES)
+@pytest.mark.parametrize("engine", [*ENGINES, *MESH_PARAMS])
 def test_engine_matches_torchs_scaler(backend, engine, injection, tmp_path_factory):
     ranks = _engine_results(backend, engine, tmp_path_factory)
     for rank, results in enumerate(ranks):
@@ -212,7 +213,7 @@ def _same_norm(ours, theirs, exact):
 
 @pytest.mark.parametrize("injection", INJECTIONS)
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-@pytest.mark.parametrize("engine", CLIP_ENGINES + MESH_ENGINES)
+@pytest.mark.parametrize("engine", [*CLIP_ENGINES, *MESH_PARAMS])
 def test_fused_clip_matches_the_engines_own_clip(backend, engine, norm_type, injection,
                                                  tmp_path_factory):
     """DDP: the norm of the rank's own (reduced) grads, as torch's clip; FSDP1: summed over
@@ -241,6 +242,7 @@ def test_fused_clip_matches_the_engines_own_clip(backend, engine, norm_type, inj
             assert torch.equal(a, b), "the ranks clipped by different norms"
 
 
+@pytest.mark.exhaustive  # the 4-rank mesh spawn
 def test_overflow_agreed_over_every_mesh_dimension_any_grad_is_sharded_on(backend,
                                                                           tmp_path_factory):
     """Tensor parallel x FSDP2, the first grad replicated over tp, an inf in rank 3's shard of
@@ -254,6 +256,7 @@ def test_overflow_agreed_over_every_mesh_dimension_any_grad_is_sharded_on(backen
         assert scale == 2.0**15 and unchanged, rank
 
 
+@pytest.mark.exhaustive  # the 4-rank mesh spawn
 @pytest.mark.parametrize("dim, overflowing", [("dp", (1, 3)), ("tp", (2, 3))], ids=["dp", "tp"])
 def test_the_ops_agree_over_only_the_mesh_dimension_a_grad_is_sharded_on(backend, dim,
                                                                          overflowing,
@@ -268,6 +271,7 @@ def test_the_ops_agree_over_only_the_mesh_dimension_a_grad_is_sharded_on(backend
         assert_all_same(found[1:], found[:1] * 2)
 
 
+@pytest.mark.exhaustive  # the 4-rank mesh spawn
 def test_the_ops_agree_over_every_dimension_any_grad_is_sharded_on(backend, tmp_path_factory):
     """Grads replicated, sharded over dp, sharded over tp; an inf in rank 3's tp shard: every
     rank's found_inf is 1, unscale and check, as the scaler's (torch's op agrees over its
@@ -281,7 +285,7 @@ def test_the_ops_agree_over_every_dimension_any_grad_is_sharded_on(backend, tmp_
         assert same, rank
 
 
-@pytest.mark.parametrize("mesh", ["1-D", "2-D"])
+@pytest.mark.parametrize("mesh", ["1-D", pytest.param("2-D", marks=pytest.mark.exhaustive)])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_fused_clip_counts_a_replicated_dtensor_grad_once(backend, norm_type, mesh,
                                                           tmp_path_factory):
@@ -298,6 +302,7 @@ def test_fused_clip_counts_a_replicated_dtensor_grad_once(backend, norm_type, me
             assert all(torch.equal(a, b) for a, b in zip(ours_grads, their_grads))
 
 
+@pytest.mark.exhaustive  # the 4-rank mesh spawn
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_fused_clip_reduces_over_its_own_mesh_not_the_world(backend, norm_type,
                                                            tmp_path_factory):

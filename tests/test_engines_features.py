@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from _engines import MESH_ENGINES, OVERFLOW_STEPS, STEPS
+from _engines import MESH_ENGINES, MESH_PARAMS, OVERFLOW_STEPS, STEPS
 from _engines_features import FEATURE_ENGINES, FEATURES, run_features
 from _engines_mesh import mesh_results
 from _peers import ApexLossScaler, MegatronDynamicGradScaler
@@ -80,7 +80,7 @@ def test_the_one_process_oracle_follows_the_peers():
 
 
 @pytest.mark.parametrize("feature", FEATURES)
-@pytest.mark.parametrize("engine", FEATURE_ENGINES + MESH_ENGINES)
+@pytest.mark.parametrize("engine", [*FEATURE_ENGINES, *MESH_PARAMS])
 def test_feature_under_engine(backend, engine, feature, tmp_path_factory):
     ranks = _feature_results(backend, engine, tmp_path_factory)
     settings, _ = FEATURES[feature]
