@@ -6,8 +6,7 @@ imports only the description of its arguments (``triton_scaler._kernel_args``): 
 and dispatch live in ``triton_scaler``.
 """
 
-from .stats import launch_finish_stats
 from .unscale import launch_unscale
 from .update import bind_update_scale
 
-__all__ = ["bind_update_scale", "launch_finish_stats", "launch_unscale"]
+__all__ = ["bind_update_scale", "launch_unscale"]

@@ -1,77 +1,78 @@
-"""A watched scaler's device work besides the unscale kernel's statistics: one small launch
-finishes what its programs stored (``STATS=True``: four values per program) into one row per
-watched tensor; :func:`record_watch`, run by the update kernel (``WATCH``), records each
-``update()``'s overflow and the run of skipped steps.
+"""A watched scaler's device work, run inside the other kernels: :func:`finish_tensor`, run by
+the unscale kernel's programs (``STATS=True``: four values per program), finishes each watched
+tensor's row from its programs' values in the same launch; :func:`record_watch`, run by the
+update kernel (``WATCH``), records each ``update()``'s overflow and the run of skipped steps.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from .launcher import launch
-
-ROWS_BLOCK = 128  # program statistics read at a time by one tensor's program
-_OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}
+#: program statistics read at a time by a tensor's last program (:func:`_pairwise_sum`'s 128)
+ROWS_BLOCK = tl.constexpr(128)
 
 
 @triton.jit
-def finish_stats_kernel(
-    partials_ptr,  # *Pointer* to the programs' float64 statistics, 4 per program
-    bounds_ptr,  # *Pointer* to int64 [begin, end) program ranges, two per watched tensor
-    rows_ptr,  # *Pointer* to the int64 row of each watched tensor in out
+def _pairwise_sum(x):
+    """The sum of 128 values as a fixed tree of pairwise additions: the same
+    bits whatever the launch's warps and layout (``tl.sum``'s order depends on them)."""
+    x = tl.sum(tl.reshape(x, (64, 2)), axis=1)
+    x = tl.sum(tl.reshape(x, (32, 2)), axis=1)
+    x = tl.sum(tl.reshape(x, (16, 2)), axis=1)
+    x = tl.sum(tl.reshape(x, (8, 2)), axis=1)
+    x = tl.sum(tl.reshape(x, (4, 2)), axis=1)
+    x = tl.sum(tl.reshape(x, (2, 2)), axis=1)
+    return tl.sum(x, axis=0)
+
+
+@triton.jit
+def finish_tensor(
+    stats_ptr,  # *Pointer* to the launch's float64 statistics, 4 per program
+    finish_ptr,  # *Pointer* to int64: each program's watched tensor (-1: none), then per
+    #              tensor (begin, end, row): its programs and its row of out
+    counters_ptr,  # *Pointer* to int32 per tensor: its programs done (0 between launches)
     out_ptr,  # *Pointer* to float64 rows of 5: amax, sum of squares, inf and NaN counts, 1
-    ROWS_BLOCK: tl.constexpr,  # Program statistics read at a time
+    pid,  # This program, whose statistics are stored
 ):
-    t = tl.program_id(0)
-    begin = tl.load(bounds_ptr + 2 * t)
-    end = tl.load(bounds_ptr + 2 * t + 1)
-    sumsq = tl.zeros((), tl.float64)
-    amax = tl.zeros((), tl.float64)
-    infs = tl.zeros((), tl.float64)
-    nans = tl.zeros((), tl.float64)
-    for first in range(begin, end, ROWS_BLOCK):
-        rows = first + tl.arange(0, ROWS_BLOCK)
-        ptrs = partials_ptr + 4 * rows
-        mask = rows < end
-        sumsq += tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
-        amax = tl.maximum(amax, tl.max(tl.load(ptrs + 1, mask=mask, other=0.0), axis=0))
-        infs += tl.sum(tl.load(ptrs + 2, mask=mask, other=0.0), axis=0)
-        nans += tl.sum(tl.load(ptrs + 3, mask=mask, other=0.0), axis=0)
-    out = out_ptr + 5 * tl.load(rows_ptr + t)
-    tl.store(out, tl.where(nans > 0, float("nan"), amax))
-    tl.store(out + 1, sumsq)
-    tl.store(out + 2, infs)
-    tl.store(out + 3, nans)
-    tl.store(out + 4, tl.full((), 1.0, tl.float64))
-
-
-def launch_finish_stats(partials: torch.Tensor, bounds: torch.Tensor, rows: torch.Tensor,
-                        out: torch.Tensor) -> None:
-    """Write each watched tensor's statistics from its programs' (one launch).
-
-    Args:
-        partials: float64 ``[programs, 4]``, as the unscale kernel's ``STATS`` pass stores
-            them: sum of squares, max ``|x|`` of the values that are not NaN, inf and NaN
-            counts.
-        bounds: int64 ``[tensors, 2]``: each watched tensor's programs ``[begin, end)``
-            (empty for an empty tensor).
-        rows: int64 ``[tensors]``: each tensor's row of ``out``.
-        out: float64 ``[n, 5]``, rows ``(amax, sum of squares, inf count, NaN count, 1.0)``;
-            amax NaN where a NaN was seen.
-
-    .. note:: Asynchronous: no host sync.
-    """
-    if rows.numel():
-        launch(finish_stats_kernel, rows.numel(), (partials, bounds, rows, out), (),
-               dict(ROWS_BLOCK=ROWS_BLOCK), _OPTIONS)
+    """Run by each program of a ``STATS`` launch after storing its statistics: the last of a
+    watched tensor's programs to get here (counted with an acquire-release atomic after a
+    barrier, so every earlier program's statistics are visible to it) sums theirs, in
+    program order, into the tensor's row, and resets the count. Deterministic: the same
+    bits whichever program is last."""
+    t = tl.load(finish_ptr + pid)
+    if t >= 0:
+        entry = finish_ptr + tl.num_programs(0) + 3 * t
+        begin = tl.load(entry)
+        end = tl.load(entry + 1)
+        tl.debug_barrier()  # this program's statistics are stored before its release
+        done = tl.atomic_add(counters_ptr + t, 1, sem="acq_rel")
+        if done == end - begin - 1:
+            sumsq = tl.zeros((), tl.float64)
+            amax = tl.zeros((), tl.float64)
+            infs = tl.zeros((), tl.float64)
+            nans = tl.zeros((), tl.float64)
+            for first in range(begin, end, ROWS_BLOCK):
+                rows = first + tl.arange(0, ROWS_BLOCK)
+                ptrs = stats_ptr + 4 * rows
+                mask = rows < end
+                sumsq += _pairwise_sum(tl.load(ptrs, mask=mask, other=0.0))
+                amax = tl.maximum(amax, tl.max(tl.load(ptrs + 1, mask=mask, other=0.0), axis=0))
+                infs += tl.sum(tl.load(ptrs + 2, mask=mask, other=0.0), axis=0)
+                nans += tl.sum(tl.load(ptrs + 3, mask=mask, other=0.0), axis=0)
+            out = out_ptr + 5 * tl.load(entry + 2)
+            tl.store(out, tl.where(nans > 0, float("nan"), amax))
+            tl.store(out + 1, sumsq)
+            tl.store(out + 2, infs)
+            tl.store(out + 3, nans)
+            tl.store(out + 4, tl.full((), 1.0, tl.float64))
+            tl.store(counters_ptr + t, 0)  # ready for the next launch (a graph's replay)
 
 
 @triton.jit
 def record_watch(
     found,  # this iteration's overflow (the scaler's flags), a scalar
-    stats_ptr,  # *Pointer* to the watch's float64 rows of 5 (finish_stats_kernel's out)
+    stats_ptr,  # *Pointer* to the watch's float64 rows of 5 (finish_tensor's out)
     overflow_ptr,  # *Pointer* to float64 rows of 2: the last overflow's inf and NaN counts
     counters_ptr,  # *Pointer* to 5 float64: last overflow step, its scale, iteration, run of
     #                skipped steps, longest run

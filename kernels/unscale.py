@@ -17,7 +17,8 @@ One kernel, specialised by constexpr flags:
 * ``STATS=True`` (a watched scaler's pass, :mod:`.stats`): each program also stores four
   statistics of its unscaled (dtype-rounded) values, before a clip: the sum of squares
   (float32, float64 for float64 grads), the max ``|x|`` over the values that are not NaN,
-  and the inf and NaN counts.
+  and the inf and NaN counts; the last program of each watched tensor sums its programs'
+  into the tensor's row (:func:`.stats.finish_tensor`).
 
 found_inf is set to exactly 1.0 when an input element or its unscaled product (rounded to the
 gradient's dtype) is non-finite, by a single masked store from each program that saw one.
@@ -33,6 +34,7 @@ from triton_scaler._kernel_args import UnscalePlan
 
 from .bits import bf16_bits_to_fp32, fp32_to_bf16_bits
 from .launcher import launch
+from .stats import finish_tensor
 
 GPU_BLOCK = 4096
 GPU_NUM_WARPS = 8
@@ -140,6 +142,9 @@ def unscale_kernel(
     coef_ptr,  # *Pointer* to the fp32 clip coefficient (CLIP)
     partial_ptr,  # *Pointer* to one norm partial per program (NORM != 0)
     stats_ptr,  # *Pointer* to four float64 statistics per program (STATS)
+    finish_ptr,  # *Pointer* to the int64 table of the watched tensors' programs (STATS)
+    counters_ptr,  # *Pointer* to int32 per watched tensor: its programs done (STATS)
+    rows_ptr,  # *Pointer* to the float64 rows of 5 the watched tensors finish into (STATS)
     n_elements,  # Elements of the flat buffer (USE_TABLE=False)
     BLOCK: tl.constexpr,  # Elements per program
     USE_TABLE: tl.constexpr,  # Program p covers chunk p of the table, not block p of a buffer
@@ -180,6 +185,8 @@ def unscale_kernel(
     tl.store(found_inf_ptr, 1.0, mask=saw > 0)
     if NORM != 0:
         tl.store(partial_ptr + pid, partial)
+    if STATS:  # the last program of a watched tensor finishes its row
+        finish_tensor(stats_ptr, finish_ptr, counters_ptr, rows_ptr, pid)
 
 
 _INTERPRETED = type(unscale_kernel).__name__ == "InterpretedFunction"
@@ -211,7 +218,7 @@ def launch_unscale(
     clip_coef: torch.Tensor | None = None,
     inv_from_scale: bool = False,
     base: torch.Tensor | None = None,
-    stats: torch.Tensor | None = None,
+    stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """Unscale (``write=True``) or only check (``write=False``) the grads of ``plan``.
 
@@ -229,10 +236,16 @@ def launch_unscale(
         inv_from_scale: see ``inv_scale``.
         base: the launch's base grad when ``plan`` is a kept template (which holds none):
             the grad at the template's ``base_index`` in a list laid out as its own.
-        stats: float64 ``[plan.grid, 4]`` (contiguous): each program's sum of squares, max
-            ``|x|`` of the values that are not NaN, inf count and NaN count, of the unscaled
-            (dtype-rounded) grads before a clip; finished per tensor by
-            :func:`.stats.launch_finish_stats`.
+        stats: a watched launch's ``(partials, finish, counters, rows)``: float64
+            ``[plan.grid, 4]`` (contiguous) for each program's sum of squares, max ``|x|`` of
+            the values that are not NaN, inf count and NaN count, of the unscaled
+            (dtype-rounded) grads before a clip; int64 ``finish``: each program's watched
+            tensor (``-1``: none), then per watched tensor ``(begin, end, row)``, its
+            programs and its row of ``rows``; int32 ``counters``, one per watched tensor,
+            zero (and zero again after the launch); float64 ``rows`` ``[n, 5]``, where each
+            watched tensor's ``(amax, sum of squares, inf count, NaN count, 1.0)`` is
+            written (amax NaN where a NaN was seen) by its last program
+            (:func:`.stats.finish_tensor`).
 
     Returns:
         With ``norm``, a 0-d float32 (float64 for float64 grads) device tensor; else None.
@@ -261,7 +274,7 @@ def launch_unscale(
         base.view(torch.int16) if bf16_bits else base,
         found_inf if plan.table is None else plan.table,
         inv_scale, found_inf, found_inf if clip_coef is None else clip_coef, partials,
-        found_inf if stats is None else stats,
+        *((found_inf,) * 4 if stats is None else stats),
     ), (plan.n,), dict(
         BLOCK=INTERPRETER_BLOCK if interpreting else GPU_BLOCK, USE_TABLE=plan.table is not None,
         WRITE=write, BF16_BITS=bf16_bits, VEC=16 // base.element_size(), FP64=fp64,

@@ -20,7 +20,6 @@ import triton.backends.nvidia  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton_scaler.kernels.stats import ROWS_BLOCK, finish_stats_kernel  # noqa: E402
 from triton_scaler.kernels.unscale import (  # noqa: E402
     GPU_BLOCK,
     GPU_NUM_WARPS,
@@ -133,6 +132,7 @@ def _unscale_signature(dtype):
     return {"grad_ptr": f"*{dtype}", "table_ptr": "*i64",
             "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "coef_ptr": "*fp32",
             "partial_ptr": "*fp32" if dtype != "fp64" else "*fp64", "stats_ptr": "*fp64",
+            "finish_ptr": "*i64", "counters_ptr": "*i32", "rows_ptr": "*fp64",
             "n_elements": "i64",
             **{name: "constexpr" for name in ("BLOCK", "USE_TABLE", "WRITE", "BF16_BITS",
                                               "VEC", "FP64", "ROUND", "NORM", "CLIP",
@@ -183,10 +183,6 @@ def main():
                               f"{'write' if write else 'check'}/{name}"] = _compile(
                             unscale_kernel, signature, {**constexprs, **extra, "STATS": True},
                             aligned_ptr, GPU_NUM_WARPS_FP64 if name == "clip" else warps)
-    facts["stats/finish"] = _compile(
-        finish_stats_kernel, {"partials_ptr": "*fp64", "bounds_ptr": "*i64", "rows_ptr": "*i64",
-                              "out_ptr": "*fp64", "ROWS_BLOCK": "constexpr"},
-        {"ROWS_BLOCK": ROWS_BLOCK}, {}, 1)
     for hysteresis in (False, True):
         signature = {"scale_ptr": "*fp32", "growth_tracker_ptr": "*i32",
                      "found_inf_ptr": "*fp32", "hysteresis_tracker_ptr": "*i32",

@@ -25,9 +25,9 @@ def ptx_facts():
 
 def test_every_variant_compiles(ptx_facts):
     # 16 dtype x path x mode, 6 unaligned-size flat, 2 inv-from-scale, 24 clip (dtype x path
-    # x pass), 24 with statistics (dtype x path x unscale / check / clip write), 1 finishing,
-    # 6 update (op, scaler, watched scaler; with and without hysteresis)
-    assert len(ptx_facts) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4 * 2 * 3 + 1 + 6
+    # x pass), 24 with statistics (dtype x path x unscale / check / clip write), 6 update
+    # (op, scaler, watched scaler; with and without hysteresis)
+    assert len(ptx_facts) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4 * 2 * 3 + 6
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -186,7 +186,8 @@ def test_gpu_launches_pass_what_the_probe_compiles(monkeypatch, dtype):
     monkeypatch.setattr(unscale, "launch", lambda *args: seen.append(args[1:2] + args[-2:]))
     sizes = (5, unscale.GPU_BLOCK + 3)  # 1 + 2 programs of the GPU block
     grads = [torch.ones(n, dtype=getattr(torch, dtype)) for n in sizes]
-    stats = torch.zeros((3, 4), dtype=torch.float64)
+    stats = (torch.zeros((3, 4), dtype=torch.float64), torch.zeros(9, dtype=torch.int64),
+             torch.zeros(2, dtype=torch.int32), torch.zeros((2, 5), dtype=torch.float64))
     cases = ((0, None, None), (2, None, None), (0, torch.ones(()), None), (0, None, stats),
              (0, torch.ones(()), stats))
     for norm, coef, with_stats in cases:
@@ -200,3 +201,16 @@ def test_gpu_launches_pass_what_the_probe_compiles(monkeypatch, dtype):
     vec = 16 // grads[0].element_size()
     assert [(grid, c["BLOCK"], c["VEC"], c["BF16_BITS"]) for grid, c, _ in seen] == \
         [(3, unscale.GPU_BLOCK, vec, False)] * 5
+
+
+def test_a_watched_launch_finishes_its_tensors_after_an_acquire_release_count(ptx_facts):
+    """Every variant with statistics counts its programs with a GPU-scope acquire-release
+    atomic after a CTA barrier (the last program of a tensor then sees every other program's
+    statistics); no variant without statistics has an atomic."""
+    for key, ops in ptx_facts.items():
+        atomics = [op for op in ops if op.startswith("atom.")]
+        if key.startswith("stats/"):
+            assert atomics == ["atom.global.gpu.acq_rel.add.u32"], (key, atomics)
+            assert "bar.sync" in ops, key
+        else:
+            assert not atomics, (key, atomics)

@@ -79,7 +79,7 @@ def _group_partial(group, found_inf, scale, norm_type: float, on_triton: bool) -
 
 
 def _apply_coef(group, found_inf, scale, coef, write_pass: bool,
-                stats: torch.Tensor | None) -> None:
+                stats: tuple | None) -> None:
     """``dtype(dtype(g * inv_scale) * coef)``: the Triton write pass (``write_pass``; with a
     watch's ``stats``), else a multiplication of grads already unscaled."""
     if write_pass:

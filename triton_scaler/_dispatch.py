@@ -29,7 +29,6 @@ its schema says, except ``unscale_norm_``, which returns the norm partial:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,7 +50,7 @@ if TYPE_CHECKING:
 def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor,
                   backend: str, write: bool, *, from_scale: bool = False, norm: int = 0,
                   clip_coef: torch.Tensor | None = None,
-                  stats: torch.Tensor | None = None) -> torch.Tensor | None:
+                  stats: tuple | None = None) -> torch.Tensor | None:
     """Unscale (or only check) one :class:`GradGroup` (grads of one device and dtype), with no
     argument checks: the scaler, which groups grads as torch does, guarantees them.
 
@@ -60,8 +59,8 @@ def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor
     Triton backend only: ``norm`` (2 or -1, ``write=False``) returns the group's sum of
     squares (max ``|x|``) of the unscaled grads; ``clip_coef`` also multiplies them by it
     before storing. Returns None otherwise. ``stats`` (a group with a plan, eager code): the
-    launch also stores its programs' statistics there (:func:`bind_finish_stats`). No host
-    sync."""
+    launch also writes its watched grads' statistics (``launch_unscale``'s ``stats``). No
+    host sync."""
     if is_traced():
         inv_scale = reference.inv_scale_of(scale) if from_scale else scale
         if norm:
@@ -99,16 +98,6 @@ def _reference_unscale(grads: list[torch.Tensor], found_inf: torch.Tensor,
         reference.check_(grads, found_inf, inv_scale)
 
 
-def bind_finish_stats(partials: torch.Tensor, bounds: torch.Tensor, rows: torch.Tensor,
-                      out: torch.Tensor) -> Callable[[], None]:
-    """A watched call's per-tensor statistics from its launches' per-program ones (the
-    ``stats`` of :func:`unscale_group`), bound once: each call of the result is one launch
-    writing rows ``(amax, sum of squares, inf count, NaN count, 1)`` of ``out``; see
-    :func:`triton_scaler.kernels.launch_finish_stats`. No host sync."""
-    return partial((_backend.loaded_kernels or triton_kernels()).launch_finish_stats,
-                   partials, bounds, rows, out)
-
-
 def watch_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor,
                 backend: str) -> torch.Tensor:
     """A watch's statistics of non-empty, same-device, same-dtype ``grads`` times
@@ -132,25 +121,26 @@ def _watch_stats_impl(grads: list[torch.Tensor], inv_scale: torch.Tensor,
             if plan.reusable else None
         if ranges is not None:
             device = grads[0].device
-            partials = torch.empty((plan.grid, 4), dtype=torch.float64, device=device)
-            kernels.launch_unscale(plan, torch.zeros((), device=device), inv_scale,
-                                   write=False, stats=partials)
             out = torch.empty((len(grads), 5), dtype=torch.float64, device=device)
-            kernels.launch_finish_stats(partials, *_stats_bounds(ranges, device), out)
+            kernels.launch_unscale(plan, torch.zeros((), device=device), inv_scale,
+                                   write=False, stats=(
+                torch.empty((plan.grid, 4), dtype=torch.float64, device=device),
+                _finish_table(plan.grid, ranges, device),
+                torch.zeros(len(grads), dtype=torch.int32, device=device), out))
             return out
     return reference.grad_stats(grads, inv_scale)
 
 
-def _stats_bounds(ranges: list[tuple[int, int]], device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ranges`` (each grad's programs) and the rows ``0..n-1`` as device tensors, uploaded
-    once per pattern (kept in planning's store; :func:`_plans.upload`)."""
-    key = ("stats", device, tuple(ranges))
+def _finish_table(grid: int, ranges: list[tuple[int, int]], device: torch.device
+                  ) -> torch.Tensor:
+    """The finishing table of a launch over grads whose programs are ``ranges``, into rows
+    ``0..n-1`` (:func:`_plans.finish_table`), made once per pattern (kept in planning's
+    store)."""
+    key = ("stats", device, grid, tuple(ranges))
     kept = _plan_store.lookup(key)
     if kept is None:
-        kept = _plan_store.keep(key, (
-            _plans.upload(torch.tensor(ranges, dtype=torch.int64).reshape(-1, 2), device),
-            _plans.upload(torch.arange(len(ranges), dtype=torch.int64), device)))
+        kept = _plan_store.keep(key, _plans.finish_table(
+            grid, [(begin, end, k) for k, (begin, end) in enumerate(ranges)], device))
     return kept
 
 
@@ -171,14 +161,19 @@ def scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torc
                   policy: ScalePolicy, *, hysteresis_tracker: torch.Tensor | None,
                   skipped: torch.Tensor, skipped_count: torch.Tensor,
                   params: torch.Tensor, backend: str,
-                  bound: Callable[[], Callable[[], None]]) -> None:
+                  bound: Callable[[], Callable[[], None]], watch: Any = None) -> None:
     """:meth:`GradScaler.update`'s one launch: eager code calls what ``bound()`` returns
-    (:func:`bind_scaler_update`, kept by the scaler); traced code the registered op, handed
-    this iteration's overflow as a flag of its own, the flags zeroed after it (inductor in
-    older torch mistranslated a copy of the flags, a view of the scale's buffer)."""
+    (:func:`bind_scaler_update`, kept by the scaler, a ``watch``'s record included); traced
+    code records for the ``watch`` (a :class:`~.telemetry.GradWatch`) in torch's ops, then
+    calls the registered op, handed this iteration's overflow as a flag of its own, the flags
+    zeroed after it (inductor in older torch mistranslated a copy of the flags, a view of the
+    scale's buffer)."""
     if not is_traced():
         bound()()
         return
+    if watch is not None:  # the overflow and the scale it came at
+        reference.record_watch_(flags, policy.skip_on_overflow, scale,
+                                *watch.update_tensors(scale.device))
     found = (flags != 0).any().float().reshape(1)
     _ops.scaler_update_(
         scale, growth_tracker, found, hysteresis_tracker, skipped, skipped_count, params,
@@ -199,15 +194,26 @@ def bind_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags:
     optimizer); it is recorded in ``skipped`` (0-d bool, or its ``uint8`` view, made once by
     the scaler) and ``skipped_count`` (0-d int64) when ``policy.skip_on_overflow``, the scale
     is updated when ``policy.dynamic``, and ``flags`` is zeroed; ``watch``: a watch's
-    ``(stats, overflow, counters)`` on the scale's device record the iteration first
-    (:func:`reference.record_watch_`). One launch per call on Triton; no host sync."""
+    ``(stats, overflow, counters)`` record the iteration first (:func:`reference.record_watch_`;
+    on Triton in the update's own launch when they are on the scale's device). One launch per
+    call on Triton (a watch's tensors on another device: their record's ops before it); no
+    host sync."""
     if resolve_backend(backend, scale.device) == "triton":
-        return triton_kernels().bind_update_scale(
+        in_launch = watch is not None and watch[0].device == scale.device
+        update = triton_kernels().bind_update_scale(
             scale, growth_tracker, flags,
             policy.kernel_params(scale.device) if params is None else params,
             hysteresis_tracker, policy.consecutive_hysteresis, dynamic=policy.dynamic,
             skipped=skipped if policy.skip_on_overflow else None,
-            skipped_count=skipped_count, reset_found=True, watch=watch)
+            skipped_count=skipped_count, reset_found=True, watch=watch if in_launch else None)
+        if watch is None or in_launch:
+            return update
+
+        def record_and_update() -> None:
+            reference.record_watch_(flags, policy.skip_on_overflow, scale, *watch)
+            update()
+
+        return record_and_update
 
     def reference_update() -> None:
         if watch is not None:

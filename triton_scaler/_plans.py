@@ -191,6 +191,19 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
     return _plan_store.keep(key, (upload(table, first.device), overlapping))
 
 
+def finish_table(grid: int, tensors: list[tuple[int, int, int]],
+                 device: torch.device) -> torch.Tensor:
+    """The int64 table by which a watched launch of ``grid`` programs finishes its watched
+    tensors (``tensors``: each one's programs ``[begin, end)``, non-empty, and its row):
+    each program's tensor (``-1``: none), then ``(begin, end, row)`` per tensor (the unscale
+    kernel's ``finish_ptr``). On ``device`` (:func:`upload`)."""
+    owners = [-1] * grid
+    for t, (begin, end, _) in enumerate(tensors):
+        owners[begin:end] = [t] * (end - begin)
+    return upload(torch.tensor(owners + [v for entry in tensors for v in entry],
+                               dtype=torch.int64), device)
+
+
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CPU tensor of planning (a chunk table, a watch's program ranges) on ``device``: on
     CUDA through pinned memory and ``non_blocking``, so the upload does not wait for the

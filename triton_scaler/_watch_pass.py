@@ -15,25 +15,26 @@ import torch
 from ._backend import triton_kernels
 from ._distributed import is_dtensor, reduce_rows
 from ._grads import GradGroup
-from ._plans import plan_unscale, program_ranges, upload
+from ._plans import finish_table, plan_unscale, program_ranges
 
 
-def plan_pass(index: dict[int, int], groups: list, stats_device: torch.device) -> FusedPass:
+def plan_pass(index: dict[int, int], groups: list, rows: torch.Tensor) -> FusedPass:
     """How a watch reads the launches over ``groups`` (the optimizer's grads, collected): per
-    group, where its launch stores statistics (a Triton launch on ``stats_device`` over grads
-    whose programs run one grad after another, or a gradient bucket's stand-in), and which
-    rows of the watch (``index``: id(parameter) -> row) each grad's programs finish into."""
-    slots: list[tuple[int, int] | None] = []
+    group, what its launch stores and finishes (a Triton launch on ``rows``' device over grads
+    whose programs run one grad after another, or a gradient bucket's stand-in): the
+    ``stats`` of ``launch_unscale``, whose watched tensors (``index``: id(parameter) -> row)
+    finish into ``rows``."""
+    device = rows.device
+    stats: list[tuple[torch.Tensor, ...] | None] = []
     numels: list[tuple[int, ...] | None] = []
     stand_ins: list = []
-    bounds: list[tuple[int, int]] = []
-    rows: list[int] = []
-    programs = 0
+    covered: set[int] = set()
+    empty: list[int] = []
     for group in groups:
         plan, indices = group.plan, group.indices
         ranges = None
         stand_in = None
-        if plan is not None and indices is not None and group.device == stats_device:
+        if plan is not None and indices is not None and group.device == device:
             block = triton_kernels().unscale.block()
             if group.bucket is None:
                 if plan.reusable:
@@ -46,21 +47,23 @@ def plan_pass(index: dict[int, int], groups: list, stats_device: torch.device) -
         numels.append(tuple(map(_NUMEL, group.grads)) if ranges is not None and
                       stand_in is None else None)
         if ranges is None:
-            slots.append(None)
+            stats.append(None)
             continue
+        tensors = []
         for k, (begin, end) in enumerate(ranges):
             row = index.get(id(group.params[indices[k]]))
             if row is not None:
-                rows.append(row)
-                bounds.append((programs + begin, programs + end))
-        slots.append((programs, plan.grid))
-        programs += plan.grid
-    partials = torch.empty((programs, 4), dtype=torch.float64, device=stats_device)
-    return FusedPass(
-        groups, numels, stand_ins if any(x is not None for x in stand_ins) else [],
-        [None if slot is None else partials[slot[0]:slot[0] + slot[1]] for slot in slots],
-        partials, upload(torch.tensor(bounds, dtype=torch.int64).reshape(-1, 2), stats_device),
-        upload(torch.tensor(rows, dtype=torch.int64), stats_device), set(rows))
+                covered.add(row)
+                if begin == end:
+                    empty.append(row)
+                else:
+                    tensors.append((begin, end, row))
+        stats.append((torch.empty((plan.grid, 4), dtype=torch.float64, device=device),
+                      finish_table(plan.grid, tensors, device),
+                      torch.zeros(len(tensors), dtype=torch.int32, device=device), rows)
+                     if tensors else None)
+    return FusedPass(groups, numels, stand_ins if any(x is not None for x in stand_ins) else [],
+                     stats, covered, empty)
 
 
 _NUMEL = torch.Tensor.numel
@@ -69,12 +72,11 @@ _NUMEL = torch.Tensor.numel
 class FusedPass:
     """One optimizer's launches as a watch reads them (:meth:`GradWatch._fused_pass`)."""
 
-    __slots__ = ("plans", "indices", "numels", "grids", "stand_ins", "slices", "partials",
-                 "bounds", "rows", "covered", "fallback", "finish")
+    __slots__ = ("plans", "indices", "numels", "grids", "stand_ins", "stats", "covered",
+                 "empty", "fallback")
 
-    def __init__(self, groups: list, numels: list, stand_ins: list, slices: list,
-                 partials: torch.Tensor, bounds: torch.Tensor, rows: torch.Tensor,
-                 covered: set[int]) -> None:
+    def __init__(self, groups: list, numels: list, stand_ins: list, stats: list,
+                 covered: set[int], empty: list[int]) -> None:
         # what tells a later call's groups launch the same programs over the same parameters:
         # the same plans (objects), or for a group whose launch stores statistics new plans
         # (grads at new addresses) over grads of the same sizes (``numels``)
@@ -87,10 +89,9 @@ class FusedPass:
         # per group (empty: none), what launches in a gradient bucket's place: its
         # parameters' views (the same elements and results, one run of programs each)
         self.stand_ins = stand_ins
-        self.slices, self.partials, self.bounds, self.rows = slices, partials, bounds, rows
-        self.covered = covered  # the watch's rows the launches finish into
-        #: the finishing launch, bound by the watch (None: no launch stores statistics)
-        self.finish: Any = None
+        self.stats = stats  # per group, its launch's ``stats`` (None: none)
+        self.covered = covered  # the watch's rows of these grads
+        self.empty = empty  # those of empty grads (no program: the watch fills them once)
         #: (row, parameter) of the watched grads no launch covers (set by the watch)
         self.fallback: list[tuple[int, torch.Tensor]] = []
 

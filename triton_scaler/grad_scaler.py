@@ -324,12 +324,12 @@ class GradScaler(ScalerStateMixin):
                     unscale_group(group, found_for.get(device), inv_for.get(device),
                                   self._backend, write, from_scale=from_scale)
             else:  # the launches also store the watched grads' statistics
-                fused, launched, slices = watch._fused_pass(optimizer, groups, self._scale)
-                for group, stats in zip(launched, slices):
+                launched, stats = watch._fused_pass(optimizer, groups, self._scale)
+                for group, group_stats in zip(launched, stats):
                     device = group.device
                     unscale_group(group, found_for.get(device), inv_for.get(device),
-                                  self._backend, write, from_scale=from_scale, stats=stats)
-                watch._finish(fused)
+                                  self._backend, write, from_scale=from_scale,
+                                  stats=group_stats)
             if write:
                 self._note_written_padding(optimizer, groups)
             if mesh_groups:
@@ -603,8 +603,6 @@ class GradScaler(ScalerStateMixin):
                 # rare (a ninth optimizer, several devices): fold it into the last flag
                 extra.copy_(torch.maximum(extra, (agreed != 0).float()))
         policy = self._policy
-        if self._watch is not None:  # the overflow and the scale it came at
-            self._watch._record_update(flags, policy.skip_on_overflow, scale)
         at_min_scale = policy.dynamic and policy.raise_at_min_scale \
             and self._backs_off_at_min_scale(flags)
         # One launch: combine the flags, record the skip, update the scale, zero the flags.
@@ -613,7 +611,8 @@ class GradScaler(ScalerStateMixin):
         scaler_update(scale, growth_tracker, flags, policy,
                       hysteresis_tracker=self._hysteresis_tracker_t,
                       skipped=self._last_step_skipped, skipped_count=self._skipped_steps_t,
-                      params=self._params_t, backend=self._backend, bound=self._bound_update)
+                      params=self._params_t, backend=self._backend, bound=self._bound_update,
+                      watch=self._watch)
         self._reset_iteration()
         if self._watch is not None:
             self._watch._updated()
@@ -633,13 +632,13 @@ class GradScaler(ScalerStateMixin):
         if skipped is None:  # viewed once (see ScalerStateMixin._init_device_state)
             assert self._last_step_skipped is not None  # made with the scale
             skipped = self._last_step_skipped_bytes = self._last_step_skipped.view(torch.uint8)
-        watch = None if self._watch is None else self._watch.update_tensors(scale.device)
         uses = (self._policy, self._backend, scale, growth_tracker, flags,
-                self._hysteresis_tracker_state, skipped, count, self._params_t,
-                None if watch is None else watch[0])
+                self._hysteresis_tracker_state, skipped, count, self._params_t, self._watch)
         bound = self._update_bound
         if bound is not None and all(map(operator.is_, uses, bound[0])):
             return bound[1]
+        # a watch's tensors, made once (on the scale's device when nothing made them yet)
+        watch = None if self._watch is None else self._watch.update_tensors(scale.device)
         assert flags is not None and skipped is not None and count is not None  # with the scale
         call = bind_scaler_update(scale, growth_tracker, flags, self._policy,
                                       hysteresis_tracker=self._hysteresis_tracker_t,
@@ -774,17 +773,12 @@ class GradScaler(ScalerStateMixin):
         with torch.no_grad():
             groups, mesh_groups = collect_grads(optimizer, self._unscales_fp16, self._backend,
                                                 True)
-            watch = self._watch
-            fused = None
-            watched = None  # with a watch: the groups to launch and their statistics
-            if watch is not None:
-                fused, launched, slices = watch._fused_pass(optimizer, groups, self._scale)
-                watched = (launched, slices)
+            # with a watch: the groups to launch and what each launch stores
+            watched = None if self._watch is None else \
+                self._watch._fused_pass(optimizer, groups, self._scale)
             total, nonfinite = fused_clip(optimizer, groups, mesh_groups, found_for,
                                           self._scale, self._backend, max_norm, norm_type,
                                           shard_group, error_if_nonfinite, watched)
-            if fused is not None:
-                watch._finish(fused)
             # a bucket's padding times a NaN coefficient (a non-finite norm: an overflow) or
             # an infinite inv_scale is NaN: zeroed again in update() after an overflow
             self._note_written_padding(optimizer, groups)

@@ -7,18 +7,19 @@ steps, with one device-to-host copy. Nothing is read on the host before ``report
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 from weakref import WeakKeyDictionary
 
 import torch
 
 from ._compile import is_traced
-from ._dispatch import bind_finish_stats, watch_stats
+from ._dispatch import watch_stats
 from ._distributed import is_dtensor, mesh_layout
 from ._plans import upload
 from ._watch_pass import FusedPass, named_parameters_of, plan_pass, reduced_over_shards
 from ._watch_report import Overflow, SkippedStepsError, WatchReport
-from .reference import inv_scale_of, record_watch_
+from .reference import inv_scale_of
 
 __all__ = ["GradWatch", "WatchReport", "Overflow", "SkippedStepsError"]
 
@@ -62,6 +63,8 @@ class GradWatch:
         #: by optimizer (weakly: an optimizer that goes takes its pass along; a plain dict
         #: once an optimizer-like object takes no weak reference)
         self._passes: WeakKeyDictionary | dict = WeakKeyDictionary()
+        #: the last optimizer asked for (weakly) and its pass
+        self._last_pass: tuple[weakref.ref, FusedPass] | None = None
         #: the rows of DTensor grads sharded over process groups: those groups, by row (a
         #: report reduces their shards' numbers over them); a scaler with a process_group
         #: (ShardedGradScaler, FSDP1) reduces every row over it
@@ -156,49 +159,59 @@ class GradWatch:
             self._seen_any.update(written)
 
     def _fused_pass(self, optimizer: Any, groups: list, scale: torch.Tensor
-                    ) -> tuple[FusedPass | None, list, list]:
-        """Before a call's launches over ``groups`` (the optimizer's grads, collected): the
-        statistics buffer each Triton launch stores into (``.slices``, None for a group that
+                    ) -> tuple[list, list]:
+        """Before a call's launches over ``groups`` (the optimizer's grads, collected): what
+        each Triton launch stores and finishes (its ``stats``, None for a group whose launch
         does not), and the stats of the watched grads no launch covers recorded now by
         :meth:`_observe_rows` (a group on the reference path or another device, a bucket's
         first call, aliased grads). Kept per optimizer while its groups launch the same plans (a
-        training loop's steady state: no host work per parameter). Returns it, the groups to
-        launch (a bucket's through its parameters' views) and each one's statistics buffer.
-        Then :meth:`_finish`. In traced code (``torch.compile``): the statistics now, from
-        :func:`~._dispatch.watch_stats` (the same numbers), and no pass."""
+        training loop's steady state: no host work per parameter). Returns the groups to
+        launch (a bucket's through its parameters' views) and each one's ``stats``. In traced
+        code (``torch.compile``): the statistics now, from :func:`~._dispatch.watch_stats`
+        (the same numbers), and no launch stores any."""
         if is_traced():
             self._observe(optimizer, inv_scale_of(scale))
-            return None, groups, [None] * len(groups)
+            return groups, [None] * len(groups)
+        last = self._last_pass  # a loop with one optimizer asks for the same one each call
+        if last is not None and last[0]() is optimizer and last[1].fits(groups):
+            kept = last[1]
+        else:
+            kept = self._kept_pass(optimizer, groups, scale.device)
+        if kept.fallback:
+            self._observe_rows(kept.fallback, inv_scale_of(scale))
+        # this call's groups to launch, each bucket's as its parameters' (the others not
+        # kept: they hold this call's grads)
+        stand_ins = kept.stand_ins
+        if not stand_ins or None not in stand_ins:
+            return stand_ins or groups, kept.stats
+        return [group if stand_in is None else stand_in
+                for group, stand_in in zip(groups, stand_ins)], kept.stats
+
+    def _kept_pass(self, optimizer: Any, groups: list, device: torch.device) -> FusedPass:
+        """The pass kept for ``optimizer`` if it fits ``groups``, else a new one, kept."""
         try:
             kept = self._passes.get(optimizer)
         except TypeError:  # an optimizer-like object without __weakref__: a plain dict
             self._passes = dict(self._passes)
             kept = self._passes.get(optimizer)
         if kept is None or not kept.fits(groups):
-            kept = self._passes[optimizer] = self._plan_pass(optimizer, groups, scale.device)
-        if kept.fallback:
-            self._observe_rows(kept.fallback, inv_scale_of(scale))
-        # this call's groups to launch, each bucket's as its parameters' (not kept: they hold
-        # this call's grads)
-        return kept, groups if not kept.stand_ins else \
-            [group if stand_in is None else stand_in
-             for group, stand_in in zip(groups, kept.stand_ins)], kept.slices
+            kept = self._passes[optimizer] = self._plan_pass(optimizer, groups, device)
+        try:
+            self._last_pass = (weakref.ref(optimizer), kept)
+        except TypeError:
+            self._last_pass = None
+        return kept
 
     def _plan_pass(self, optimizer: Any, groups: list, device: torch.device) -> FusedPass:
-        stats = self._device_state(device)["stats"]
-        fused = plan_pass(self._index, groups, stats.device)
+        state = self._device_state(device)
+        fused = plan_pass(self._index, groups, state["stats"])
         fused.fallback = self._watched_in(optimizer, fused.covered)
-        if fused.rows.numel():
-            fused.finish = bind_finish_stats(fused.partials, fused.bounds, fused.rows, stats)
+        if fused.empty:  # an empty grad's row, the same at every call of this pass
+            index = torch.tensor(fused.empty, dtype=torch.int64, device=state["stats"].device)
+            state["stats"].index_copy_(0, index, state["fill"][1].expand(len(fused.empty), 5))
         if self._seen_any is not None:
             self._seen_any.update(fused.covered)
         return fused
-
-    def _finish(self, fused: FusedPass | None) -> None:
-        """After the launches of :meth:`_fused_pass`: each covered tensor's statistics from
-        its programs' (one launch; none when no launch stored any)."""
-        if fused is not None and fused.finish is not None:
-            fused.finish()
 
     def _row_index(self, rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """``rows`` as a device index tensor: the one made for the last call when the rows
@@ -208,39 +221,28 @@ class GradWatch:
             kept = self._rows = (rows, upload(torch.tensor(rows, dtype=torch.int64), device))
         return kept[1]
 
-    def _record_update(self, flags: torch.Tensor, skips: bool, scale: torch.Tensor) -> None:
-        """Before ``update()`` changes the scale: in traced code record this iteration's
-        overflow (a non-zero entry of ``flags``, the scaler's: it found inf / NaN; or a
-        watched grad's; the step is skipped where ``skips``) with ``scale``, and the run of
-        skipped steps (:func:`reference.record_watch_`); also in eager code where the watch's
-        tensors are on another device than the scale. Otherwise the update's own launch records
-        them (:meth:`update_tensors`). Then :meth:`_updated`."""
-        state = self._device_state(scale.device)
-        if is_traced() or state["counters"].device != scale.device:
-            record_watch_(flags, skips, scale, state["stats"], state["overflow"],
-                          state["counters"])
-
     def update_tensors(self, device: torch.device
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """What the scaler's eager ``update()`` records into (``(stats, overflow,
-        counters)``), when they are on the scale's ``device``; else None (see
-        :meth:`_updated`)."""
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What each ``update()`` records into before the scale changes: ``(stats,
+        overflow, counters)`` (made on ``device``, the scale's, when nothing was recorded
+        yet), read by the update's own launch when on the scale's device, else by
+        :func:`reference.record_watch_` (as in traced code); see
+        :func:`~._dispatch.scaler_update`. Then :meth:`_updated`."""
         state = self._device_state(device)
-        if state["counters"].device != device:
-            return None
         return state["stats"], state["overflow"], state["counters"]
 
     def _updated(self) -> None:
         """After an eager ``update()``: the warning about parameters never seen (at the
         first), and every ``check_every`` updates a :meth:`report` (a host read). Nothing in
         traced code (a compiled update counts nothing on the host)."""
-        if is_traced():
-            return
+        if self._seen_any is None and self.check_every is None or is_traced():
+            return  # a loop's steady state without check_every: nothing
         if self._seen_any is not None:
             self._warn_unseen()
-        self._updates += 1
-        if self.check_every is not None and self._updates % self.check_every == 0:
-            self.report()  # raises SkippedStepsError past the limit
+        if self.check_every is not None:
+            self._updates += 1
+            if self._updates % self.check_every == 0:
+                self.report()  # raises SkippedStepsError past the limit
 
     def _warn_unseen(self) -> None:
         """At the first update: warn once about watched parameters no optimizer of the
