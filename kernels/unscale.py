@@ -40,11 +40,22 @@ GPU_BLOCK = 4096
 GPU_NUM_WARPS = 8
 # float64: the same block over twice the threads, 8 doubles a thread. With 8 warps its variants
 # took up to 66 registers per thread (sm_90) and triton 3.8's clip pass spilled; with 16, 40.
-# Also the clip's write pass with statistics (8 warps: up to 72 registers with bf16; 16: 40).
 GPU_NUM_WARPS_FP64 = 16
+# A watched launch (STATS), whatever its route (unscale, check, the clip's write pass, the
+# watch_stats op): one number of warps per dtype, so that each program's sum of squares is
+# reduced in the same order on every route (a compiled watch reports an eager one's bits).
+# 8 warps took up to 72 registers (bf16 clip pass); float64 with 16 spilled in its masked
+# path once each tensor's last program also finishes it (sm_90: 40 registers); with 32, 47.
+# ROCm's wavefronts are 64 threads, its blocks at most 1,024: float64 there takes 16.
+GPU_NUM_WARPS_STATS = 16
+GPU_NUM_WARPS_STATS_FP64 = 32
+HIP_NUM_WARPS_STATS_FP64 = 16
 INTERPRETER_BLOCK = 1 << 16  # each interpreted program costs milliseconds: few, large blocks
 _GPU_OPTIONS = {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
 _GPU_OPTIONS_FP64 = {**_GPU_OPTIONS, "num_warps": GPU_NUM_WARPS_FP64}
+_GPU_OPTIONS_STATS = {**_GPU_OPTIONS, "num_warps": GPU_NUM_WARPS_STATS}
+_GPU_OPTIONS_STATS_FP64 = {**_GPU_OPTIONS, "num_warps": HIP_NUM_WARPS_STATS_FP64
+                           if torch.version.hip else GPU_NUM_WARPS_STATS_FP64}
 _INTERPRETER_OPTIONS: dict = {}
 
 
@@ -281,7 +292,8 @@ def launch_unscale(
         ROUND=write or norm != 0, NORM=norm, CLIP=clip_coef is not None,
         INV_FROM_SCALE=inv_from_scale, STATS=stats is not None,
     ), _INTERPRETER_OPTIONS if interpreting else
-        _GPU_OPTIONS_FP64 if fp64 or stats is not None and clip_coef is not None else _GPU_OPTIONS)
+        (_GPU_OPTIONS_STATS_FP64 if fp64 else _GPU_OPTIONS_STATS) if stats is not None else
+        _GPU_OPTIONS_FP64 if fp64 else _GPU_OPTIONS)
     if write:
         for g, c in plan.copies:
             g.copy_(c)

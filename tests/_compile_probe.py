@@ -24,6 +24,9 @@ from triton_scaler.kernels.unscale import (  # noqa: E402
     GPU_BLOCK,
     GPU_NUM_WARPS,
     GPU_NUM_WARPS_FP64,
+    GPU_NUM_WARPS_STATS,
+    GPU_NUM_WARPS_STATS_FP64,
+    HIP_NUM_WARPS_STATS_FP64,
     unscale_kernel,
 )
 from triton_scaler.kernels.update import update_scale_kernel  # noqa: E402
@@ -182,7 +185,9 @@ def main():
                         facts[f"stats/{dtype}/{'table' if use_table else 'flat'}/"
                               f"{'write' if write else 'check'}/{name}"] = _compile(
                             unscale_kernel, signature, {**constexprs, **extra, "STATS": True},
-                            aligned_ptr, GPU_NUM_WARPS_FP64 if name == "clip" else warps)
+                            aligned_ptr, GPU_NUM_WARPS_STATS if dtype != "fp64" else
+                            HIP_NUM_WARPS_STATS_FP64 if TARGET.backend == "hip" else
+                            GPU_NUM_WARPS_STATS_FP64)
     for hysteresis in (False, True):
         signature = {"scale_ptr": "*fp32", "growth_tracker_ptr": "*i32",
                      "found_inf_ptr": "*fp32", "hysteresis_tracker_ptr": "*i32",

@@ -172,10 +172,10 @@ def test_every_variant_keeps_half_an_sm_busy(ptx_facts):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
 def test_gpu_launches_pass_what_the_probe_compiles(monkeypatch, dtype):
-    """What a GPU launch passes is what these tests compiled: 8 warps, float64 and the clip's
-    write pass with statistics 16 (their 8-warp variants took up to 66 and 72 registers;
-    float64's spilled with triton 3.8's ptxas), no FMA fusion, the
-    GPU block (the plan cut in it too) and 16-byte vectors."""
+    """What a GPU launch passes is what these tests compiled: 8 warps, float64 16 (its 8-warp
+    variants took up to 66 registers and spilled with triton 3.8's ptxas), a watched launch
+    16 on every route, float64 32 (see ``GPU_NUM_WARPS_STATS``), no FMA fusion, the GPU block
+    (the plan cut in it too) and 16-byte vectors."""
     import torch
     from triton_scaler.kernels import unscale
 
@@ -194,8 +194,10 @@ def test_gpu_launches_pass_what_the_probe_compiles(monkeypatch, dtype):
         unscale.launch_unscale(plan_unscale(grads), torch.zeros(()), torch.ones(()), norm=norm,
                                clip_coef=coef, stats=with_stats)
     warps = unscale.GPU_NUM_WARPS_FP64 if dtype == "float64" else unscale.GPU_NUM_WARPS
-    # the clip's write pass with statistics: 16 warps (as the probe compiles it)
-    expected = [warps] * 4 + [unscale.GPU_NUM_WARPS_FP64]
+    # with statistics: one number per dtype, every route (as the probe compiles them)
+    stats_warps = unscale.GPU_NUM_WARPS_STATS_FP64 if dtype == "float64" else \
+        unscale.GPU_NUM_WARPS_STATS
+    expected = [warps] * 3 + [stats_warps] * 2
     assert [options for *_, options in seen] == [{"num_warps": w, "enable_fp_fusion": False}
                                                  for w in expected]
     vec = 16 // grads[0].element_size()

@@ -88,11 +88,11 @@ def test_the_launches_statistics_are_torchs(triton_device, route, dtype, buckets
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_grads_over_hundreds_of_programs_finish_as_the_registered_op_finishes(
         triton_device, monkeypatch, dtype):
-    """Grads over more programs than a tensor's last program sums at a time (301, 129 and 257
-    programs, and one; an inf in one, a NaN in another): a watched ``unscale_``'s numbers
-    equal the registered ``watch_stats`` op's bit for bit (the compiled route's, summed in
-    the same order whichever program finishes), amax and counts exactly torch's, norms
-    within 1e-5."""
+    """Grads over more programs than one program sums (301, 129 and 257 programs: groups of
+    128 summed, then the groups' sums; and one program; an inf in one, a NaN in another): a
+    watched ``unscale_``'s numbers equal the registered ``watch_stats`` op's bit for bit (the
+    compiled route's, summed in the same order whichever program finishes), amax and counts
+    exactly torch's, norms within 1e-5."""
     from triton_scaler.kernels import unscale
 
     if unscale.is_interpreting():  # the same rounds over fewer elements

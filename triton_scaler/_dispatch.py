@@ -122,20 +122,20 @@ def _watch_stats_impl(grads: list[torch.Tensor], inv_scale: torch.Tensor,
         if ranges is not None:
             device = grads[0].device
             out = torch.empty((len(grads), 5), dtype=torch.float64, device=device)
+            table, groups = _finish_table(plan.grid, ranges, device)
             kernels.launch_unscale(plan, torch.zeros((), device=device), inv_scale,
                                    write=False, stats=(
-                torch.empty((plan.grid, 4), dtype=torch.float64, device=device),
-                _finish_table(plan.grid, ranges, device),
-                torch.zeros(len(grads), dtype=torch.int32, device=device), out))
+                torch.empty((plan.grid + groups, 4), dtype=torch.float64, device=device), table,
+                torch.zeros(groups + len(grads), dtype=torch.int32, device=device), out))
             return out
     return reference.grad_stats(grads, inv_scale)
 
 
 def _finish_table(grid: int, ranges: list[tuple[int, int]], device: torch.device
-                  ) -> torch.Tensor:
+                  ) -> tuple[torch.Tensor, int]:
     """The finishing table of a launch over grads whose programs are ``ranges``, into rows
-    ``0..n-1`` (:func:`_plans.finish_table`), made once per pattern (kept in planning's
-    store)."""
+    ``0..n-1``, and its groups (:func:`_plans.finish_table`), made once per pattern (kept in
+    planning's store)."""
     key = ("stats", device, grid, tuple(ranges))
     kept = _plan_store.lookup(key)
     if kept is None:

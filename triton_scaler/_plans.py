@@ -191,17 +191,37 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
     return _plan_store.keep(key, (upload(table, first.device), overlapping))
 
 
-def finish_table(grid: int, tensors: list[tuple[int, int, int]],
-                 device: torch.device) -> torch.Tensor:
-    """The int64 table by which a watched launch of ``grid`` programs finishes its watched
-    tensors (``tensors``: each one's programs ``[begin, end)``, non-empty, and its row):
-    each program's tensor (``-1``: none), then ``(begin, end, row)`` per tensor (the unscale
-    kernel's ``finish_ptr``). On ``device`` (:func:`upload`)."""
+def finish_table(grid: int, tensors: list[tuple[int, int, int]], device: torch.device
+                 ) -> tuple[torch.Tensor, int]:
+    """How a watched launch of ``grid`` programs finishes its watched tensors (``tensors``:
+    each one's programs ``[begin, end)``, non-empty, and its row), as the unscale kernel's
+    ``finish_ptr`` reads it: each program's tensor (``-1``: none), then per tensor ``(begin,
+    end, row, first group, tensor count)``, its programs in groups of
+    :data:`triton_scaler.kernels.stats.GROUP`. Returns the table on ``device``
+    (:func:`upload`) and the number of groups: the launch's statistics take ``grid +
+    groups`` rows, its counts ``groups + len(tensors)``."""
+    group = triton_kernels().stats.GROUP.value
     owners = [-1] * grid
-    for t, (begin, end, _) in enumerate(tensors):
+    entries: list[int] = []
+    groups = 0
+    for t, (begin, end, row) in enumerate(tensors):
         owners[begin:end] = [t] * (end - begin)
-    return upload(torch.tensor(owners + [v for entry in tensors for v in entry],
-                               dtype=torch.int64), device)
+        entries += (begin, end, row, groups, 0)
+        groups += -(-(end - begin) // group)
+    for t in range(len(tensors)):
+        entries[5 * t + 4] = groups + t
+    return upload(torch.tensor(owners + entries, dtype=torch.int64), device), groups
+
+
+def finish_buffers(grid: int, tensors: list[tuple[int, int, int]], rows: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A watched launch's ``stats`` (``launch_unscale``): its statistics buffer, its
+    finishing table (:func:`finish_table`), its counts (zero) and ``rows``, the watched
+    tensors' rows, all on ``rows``' device."""
+    device = rows.device
+    table, groups = finish_table(grid, tensors, device)
+    return (torch.empty((grid + groups, 4), dtype=torch.float64, device=device), table,
+            torch.zeros(groups + len(tensors), dtype=torch.int32, device=device), rows)
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
