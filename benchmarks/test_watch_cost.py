@@ -1,7 +1,7 @@
 """The device cost of ``scaler.watch``: ``unscale_`` with a watch against without, over a
 flat gradient bucket and over many tensors, fp32 and fp16 grads (fp16 through a fused
 optimizer's check, which torch allows for fp16). On CUDA the Triton pass that unscales
-also stores the statistics (plus one finishing launch); the target at 1e8 elements is at
+also stores the statistics and finishes each tensor's; the target at 1e8 elements is at
 most 1.03x the time without. On CPU (the reference backend) the statistics are torch's ops.
 
 ``python benchmarks/watch_cost.py OUT/watch.json`` prints the ratios (``gpu_all.sh``'s
