@@ -30,7 +30,8 @@ def _pairwise_sum(x):
 @triton.jit
 def _sum_rows(stats_ptr, begin, end):
     """Rows ``[begin, end)`` of four statistics summed (amax: their largest), ``GROUP`` rows
-    at a time in order, each round by :func:`_pairwise_sum`: deterministic."""
+    at a time in order, each round by :func:`_pairwise_sum`: deterministic. Read from L2
+    (``.cg``): rows other programs wrote, never from this multiprocessor's L1."""
     sumsq = tl.zeros((), tl.float64)
     amax = tl.zeros((), tl.float64)
     infs = tl.zeros((), tl.float64)
@@ -39,10 +40,11 @@ def _sum_rows(stats_ptr, begin, end):
         rows = first + tl.arange(0, GROUP)
         ptrs = stats_ptr + 4 * rows
         mask = rows < end
-        sumsq += _pairwise_sum(tl.load(ptrs, mask=mask, other=0.0))
-        amax = tl.maximum(amax, tl.max(tl.load(ptrs + 1, mask=mask, other=0.0), axis=0))
-        infs += tl.sum(tl.load(ptrs + 2, mask=mask, other=0.0), axis=0)
-        nans += tl.sum(tl.load(ptrs + 3, mask=mask, other=0.0), axis=0)
+        sumsq += _pairwise_sum(tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg"))
+        amax = tl.maximum(amax, tl.max(tl.load(ptrs + 1, mask=mask, other=0.0,
+                                               cache_modifier=".cg"), axis=0))
+        infs += tl.sum(tl.load(ptrs + 2, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
+        nans += tl.sum(tl.load(ptrs + 3, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
     return sumsq, amax, infs, nans
 
 

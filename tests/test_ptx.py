@@ -208,11 +208,12 @@ def test_gpu_launches_pass_what_the_probe_compiles(monkeypatch, dtype):
 def test_a_watched_launch_finishes_its_tensors_after_an_acquire_release_count(ptx_facts):
     """Every variant with statistics counts its programs with a GPU-scope acquire-release
     atomic after a CTA barrier (the last program of a tensor then sees every other program's
-    statistics); no variant without statistics has an atomic."""
+    statistics) and reads those from L2 (``ld.global.cg``, never a stale L1 line); no
+    variant without statistics has an atomic."""
     for key, ops in ptx_facts.items():
         atomics = [op for op in ops if op.startswith("atom.")]
         if key.startswith("stats/"):
             assert atomics == ["atom.global.gpu.acq_rel.add.u32"], (key, atomics)
-            assert "bar.sync" in ops, key
+            assert "bar.sync" in ops and "ld.global.cg.b64" in ops, key
         else:
             assert not atomics, (key, atomics)
