@@ -108,8 +108,8 @@ def test_managers_configure_grad_scalers():
 
 @pytest.mark.parametrize("drop", [True, False])
 def test_drop_overflow_update(backend, drop):
-    scaler = FixedLossScaleManager(8.0, drop_overflow_update=drop).get_grad_scaler("cpu")
-    scaler._backend = backend
+    scaler = FixedLossScaleManager(8.0, drop_overflow_update=drop).get_grad_scaler(
+        "cpu", backend=backend)
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=0.1)
     scaler.scale(p.sum() * torch.tensor([1.0, math.inf]).sum()).backward()

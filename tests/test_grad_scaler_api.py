@@ -276,10 +276,18 @@ def test_sparse_grads(backend):
 
 
 def test_lazy_init_for_accelerate():
-    scaler = GradScaler("cpu")
+    """torch's ``_lazy_init_scale_growth_tracker`` (which Accelerate calls) makes the whole
+    state: the scale, ``_get_scale_async`` returning it, and an iteration that runs on it."""
+    scaler = GradScaler("cpu", hysteresis=2)
     scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
-    assert scaler._scale.item() == 2.0**16 and scaler._hysteresis_tracker_state is not None
+    assert scaler._scale.item() == 2.0**16
     assert scaler._get_scale_async() is scaler._scale
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler.scale(p.sum() * math.inf).backward()
+    scaler.step(opt)
+    scaler.update()  # one overflow, hysteresis 2: the scale holds
+    assert scaler.get_scale() == 2.0**16 and scaler.state_dict()["_hysteresis_tracker"] == 1
 
 
 def test_import_does_not_import_triton():

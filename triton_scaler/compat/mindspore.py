@@ -135,10 +135,13 @@ class FixedLossScaleManager:
     def get_drop_overflow_update(self) -> bool:
         return self._drop_overflow_update
 
-    def get_grad_scaler(self, device: str | torch.device | None = None) -> GradScaler:
-        """A static :class:`triton_scaler.GradScaler` with this scale."""
+    def get_grad_scaler(self, device: str | torch.device | None = None,
+                        backend: Backend = "auto") -> GradScaler:
+        """A static :class:`triton_scaler.GradScaler` with this scale (``backend`` as the
+        scaler's)."""
         return GradScaler(default_device(device).type, init_scale=self._loss_scale,
-                          dynamic=False, skip_on_overflow=self._drop_overflow_update)
+                          dynamic=False, skip_on_overflow=self._drop_overflow_update,
+                          backend=backend)
 
 
 class DynamicLossScaleManager:
@@ -158,10 +161,13 @@ class DynamicLossScaleManager:
     def get_drop_overflow_update(self) -> bool:
         return True
 
-    def get_grad_scaler(self, device: str | torch.device | None = None) -> GradScaler:
-        """A :class:`triton_scaler.GradScaler` following MindSpore's dynamic rule."""
+    def get_grad_scaler(self, device: str | torch.device | None = None,
+                        backend: Backend = "auto") -> GradScaler:
+        """A :class:`triton_scaler.GradScaler` following MindSpore's dynamic rule
+        (``backend`` as the scaler's)."""
         policy = self._policy
         return GradScaler(default_device(device).type, init_scale=self._init_loss_scale,
                           growth_factor=policy.growth_factor,
                           backoff_factor=policy.backoff_factor,
-                          growth_interval=policy.growth_interval, min_scale=policy.min_scale)
+                          growth_interval=policy.growth_interval, min_scale=policy.min_scale,
+                          backend=backend)
