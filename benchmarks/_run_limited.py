@@ -37,8 +37,15 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def _default_sigint() -> None:
+    """In the command's process, before it starts: SIGINT's default handling back. A shell
+    starts a background job with SIGINT ignored, which the command would inherit (Python
+    then installs no handler for it), and the limit's SIGINT would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_limited(seconds: float, command: list[str]) -> int:
-    proc = subprocess.Popen(command, start_new_session=True)
+    proc = subprocess.Popen(command, start_new_session=True, preexec_fn=_default_sigint)
     try:
         status = proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
