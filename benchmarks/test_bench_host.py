@@ -83,6 +83,7 @@ def test_ops_call_host_cost(benchmark, n_grads, case, kept):
                            warmup_rounds=0)
 
 
+@pytest.mark.exhaustive  # a script's whole run: the long tier
 def test_the_dtensor_host_cost_script_prints_its_table():
     """``_dtensor_host_cost.py`` (a one-rank gloo mesh, in its own process: RESULTS.md's
     DTensor table) runs and prints a row per size."""
@@ -96,6 +97,7 @@ def test_the_dtensor_host_cost_script_prints_its_table():
     assert any(line.startswith("| 3 | ") for line in done.stdout.splitlines()), done.stdout
 
 
+@pytest.mark.exhaustive  # a script's whole run: the long tier
 def test_the_host_wait_script_prints_its_table(capsys, monkeypatch):
     """``_host_wait.py`` (a plain step's time in its parts and its one host read; RESULTS.md's
     host-time table) runs with no-op launches on CPU and prints a row per case; its timers count a
@@ -138,6 +140,7 @@ def test_the_host_wait_script_prints_its_table(capsys, monkeypatch):
         == before  # inherited ones (Tensor.tolist) inherited again
 
 
+@pytest.mark.exhaustive  # a script's whole run: the long tier
 def test_the_host_wait_script_takes_the_parameters_size(capsys):
     """``--numel`` (gpu_all.sh's small-grads row: a bucket whose kernel takes a few µs) reaches
     the parameters: sizes drawn around it, named in the table's title; a size that would give

@@ -5,7 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.exhaustive  # a script's whole run: the long tier
 def test_the_compiled_step_script_prints_its_table():
     script = Path(__file__).with_name("compiled_step.py")
     done = subprocess.run([sys.executable, str(script), "--smoke", "--steps", "2"],

@@ -8,6 +8,7 @@ import pytest
 from gpu_figures import main
 
 
+@pytest.mark.exhaustive  # a script's whole run: the long tier
 def test_smoke_run_writes_every_section(tmp_path):
     assert main(["--smoke", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "figures.json").read_text())

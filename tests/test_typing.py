@@ -64,6 +64,7 @@ def _mypy(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Complet
                           timeout=600)
 
 
+@pytest.mark.exhaustive  # a script's whole run: the long tier
 def test_public_api_type_checks_as_installed(site, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(site)}
     result = _mypy(["--strict", "--untyped-calls-exclude", "torch",
@@ -71,6 +72,7 @@ def test_public_api_type_checks_as_installed(site, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.exhaustive  # a script's whole run: the long tier
 def test_the_package_type_checks_as_installed(site):
     """Its own code agrees with its annotations and torch's (pyproject.toml's ``[tool.mypy]``:
     the bodies of unannotated functions too): a wrong annotation, a None not handled, a
