@@ -14,6 +14,15 @@ _INT_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat1
 TORCHS_EMPTY_INF_NORM_ERROR = r"inf(inity)? norm on an empty tensor"
 
 
+def unscaled_stats(grad: torch.Tensor, inv: torch.Tensor) -> tuple[float, float, int, int]:
+    """torch's numbers of ``grad * inv``, what a watch reports of a gradient: its largest
+    magnitude (0.0 when empty), its L2 norm (in float64), its inf and NaN counts."""
+    unscaled = grad * inv
+    return (unscaled.abs().max().item() if unscaled.numel() else 0.0,
+            torch.linalg.vector_norm(unscaled.double()).item(),
+            int(torch.isinf(unscaled).sum()), int(torch.isnan(unscaled).sum()))
+
+
 def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Bit-for-bit equality, except that any NaN equals any NaN (payloads may differ)."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape

@@ -7,6 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 from _spawn import init_group
+from _util import unscaled_stats
 
 OVERFLOW_STEP = 3
 
@@ -32,10 +33,7 @@ def run_watched_ddp(rank, world_size, store_file, backend, out_dir):
                 loss = loss * math.inf
             scaler.scale(loss).backward()
             inv = torch.tensor(1.0 / scaler.get_scale())
-            expected = {name: ((p.grad * inv).abs().max().item(),
-                               torch.linalg.vector_norm(p.grad * inv).item(),
-                               int(torch.isinf(p.grad * inv).sum()),
-                               int(torch.isnan(p.grad * inv).sum()))
+            expected = {name: unscaled_stats(p.grad, inv)
                         for name, p in model.module.named_parameters()}
             scaler.unscale_(opt)
             scaler.step(opt)
@@ -53,13 +51,6 @@ def run_watched_ddp(rank, world_size, store_file, backend, out_dir):
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def _stats_of(grad, inv):
-    """torch's numbers of one whole unscaled gradient: amax, norm, inf and NaN counts."""
-    unscaled = grad * inv
-    return (unscaled.abs().max().item(), torch.linalg.vector_norm(unscaled.double()).item(),
-            int(torch.isinf(unscaled).sum()), int(torch.isnan(unscaled).sum()))
 
 
 def run_watched_sharded(rank, world_size, store_file, engine, backend, out_dir):
@@ -99,11 +90,11 @@ def run_watched_sharded(rank, world_size, store_file, engine, backend, out_dir):
             scaler.scale(loss).backward()
             inv = torch.tensor(1.0 / scaler.get_scale())
             if engine == "fsdp2":  # the gathered gradients (a collective per parameter)
-                expected = {name: _stats_of(p.grad.full_tensor(), inv)
+                expected = {name: unscaled_stats(p.grad.full_tensor(), inv)
                             for name, p in named.named_parameters()}
             else:
                 with FSDP.summon_full_params(wrapped, with_grads=True):
-                    expected = {name: _stats_of(p.grad, inv)
+                    expected = {name: unscaled_stats(p.grad, inv)
                                 for name, p in wrapped.named_parameters()}
             scaler.unscale_(opt)
             scaler.step(opt)

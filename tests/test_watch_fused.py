@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 from _launch_counting import _launches, _Ops, _uncounted
+from _util import step_by_route, unscaled_stats
 
 from triton_scaler import GradBuckets, GradScaler
 
@@ -50,16 +51,9 @@ def _run(device, route, dtype, buckets, watch, steps=3):
         grads = [_grad(p.numel(), dtype, gen, step, device) for p in params]
         scaler.scale(sum((p * g).sum() for p, g in zip(params, grads))).backward()
         inv = torch.tensor(1.0 / scaler.get_scale(), device=device)
-        expected.append([((p.grad * inv).abs().max().item() if p.numel() else 0.0,
-                          torch.linalg.vector_norm((p.grad * inv).double()).item(),
-                          int(torch.isinf(p.grad * inv).sum()),
-                          int(torch.isnan(p.grad * inv).sum())) for p in params])
-        if route == "unscale":
-            scaler.unscale_(opt)
-        elif route == "clip":
-            scaler.clip_grad_norm_(opt, 1.0)
-        scaler.step(opt)
-        scaler.update()
+        expected.append([unscaled_stats(p.grad, inv) for p in params])
+        step_by_route(scaler, opt, {"unscale": "unscale_", "clip": "clip_grad_norm_"}.get(
+            route, route))
         if watcher is not None:
             reports.append(watcher.report())
     return params, scaler, reports, expected

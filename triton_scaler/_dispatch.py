@@ -122,11 +122,10 @@ def _watch_stats_impl(grads: list[torch.Tensor], inv_scale: torch.Tensor,
         if ranges is not None:
             device = grads[0].device
             out = torch.empty((len(grads), 5), dtype=torch.float64, device=device)
-            table, groups = _finish_table(plan.grid, ranges, device)
             kernels.launch_unscale(plan, torch.zeros((), device=device), inv_scale,
-                                   write=False, stats=(
-                torch.empty((plan.grid + groups, 4), dtype=torch.float64, device=device), table,
-                torch.zeros(groups + len(grads), dtype=torch.int32, device=device), out))
+                                   write=False, stats=_plans.finish_buffers(
+                                       plan.grid, *_finish_table(plan.grid, ranges, device),
+                                       len(grads), out))
             return out
     return reference.grad_stats(grads, inv_scale)
 

@@ -213,15 +213,16 @@ def finish_table(grid: int, tensors: list[tuple[int, int, int]], device: torch.d
     return upload(torch.tensor(owners + entries, dtype=torch.int64), device), groups
 
 
-def finish_buffers(grid: int, tensors: list[tuple[int, int, int]], rows: torch.Tensor
+def finish_buffers(grid: int, table: torch.Tensor, groups: int, tensors: int,
+                   rows: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A watched launch's ``stats`` (``launch_unscale``): its statistics buffer, its
-    finishing table (:func:`finish_table`), its counts (zero) and ``rows``, the watched
-    tensors' rows, all on ``rows``' device."""
+    """A watched launch's ``stats`` (``launch_unscale``) over ``grid`` programs finishing
+    ``tensors`` tensors in ``groups`` groups through ``table`` (:func:`finish_table`): its
+    statistics buffer, the table, its counts (zero) and ``rows``, the watched tensors' rows,
+    on ``rows``' device."""
     device = rows.device
-    table, groups = finish_table(grid, tensors, device)
     return (torch.empty((grid + groups, 4), dtype=torch.float64, device=device), table,
-            torch.zeros(groups + len(tensors), dtype=torch.int32, device=device), rows)
+            torch.zeros(groups + tensors, dtype=torch.int32, device=device), rows)
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from ._backend import triton_kernels
 from ._distributed import is_dtensor, reduce_rows
 from ._grads import GradGroup
-from ._plans import finish_buffers, plan_unscale, program_ranges
+from ._plans import finish_buffers, finish_table, plan_unscale, program_ranges
 
 
 def plan_pass(index: dict[int, int], groups: list, rows: torch.Tensor) -> FusedPass:
@@ -58,7 +58,8 @@ def plan_pass(index: dict[int, int], groups: list, rows: torch.Tensor) -> FusedP
                     empty.append(row)
                 else:
                     tensors.append((begin, end, row))
-        stats.append(finish_buffers(plan.grid, tensors, rows) if tensors else None)
+        stats.append(finish_buffers(plan.grid, *finish_table(plan.grid, tensors, device),
+                                    len(tensors), rows) if tensors else None)
     return FusedPass(groups, numels, stand_ins if any(x is not None for x in stand_ins) else [],
                      stats, covered, empty)
 

@@ -207,7 +207,7 @@ class GradWatch:
         fused = plan_pass(self._index, groups, state["stats"])
         fused.fallback = self._watched_in(optimizer, fused.covered)
         if fused.empty:  # an empty grad's row, the same at every call of this pass
-            index = torch.tensor(fused.empty, dtype=torch.int64, device=state["stats"].device)
+            index = upload(torch.tensor(fused.empty, dtype=torch.int64), state["stats"].device)
             state["stats"].index_copy_(0, index, state["fill"][1].expand(len(fused.empty), 5))
         if self._seen_any is not None:
             self._seen_any.update(fused.covered)
