@@ -73,7 +73,7 @@ def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
     if cache is not None:
         device = _current_device()
         addresses = tuple(map(_DATA_PTR, tensors))
-        key = _key(device, addresses, tensors, scalars, constexprs)
+        key = _launch_key(device, addresses, tensors, scalars, constexprs)
         compiled = cache.get(key)
         if compiled is not None:
             try:
@@ -88,7 +88,7 @@ def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
         if cache is None:
             _check_order(kernel, len(tensors) + len(scalars), constexprs)
             cache = _compiled[kernel] = OrderedDict()
-            key = _key(_current_device(), tuple(map(_DATA_PTR, tensors)), tensors, scalars,
+            key = _launch_key(_current_device(), tuple(map(_DATA_PTR, tensors)), tensors, scalars,
                        constexprs)
         _remember(cache, key, compiled)
 
@@ -107,7 +107,7 @@ def _remember(cache: OrderedDict, key: tuple | None, compiled) -> None:
 
 def _reusable(compiled) -> bool:
     """A compiled kernel (not the interpreter's None) of a backend whose specialisation
-    :func:`_key` covers: CUDA's (pointer alignment; ROCm's also depends on storage sizes)."""
+    :func:`_launch_key` covers: CUDA's (pointer alignment; ROCm's also depends on storage sizes)."""
     return torch.version.hip is None and knobs is not None and all(
         hasattr(compiled, name) for name in ("run", "function", "packed_metadata"))
 
@@ -117,7 +117,7 @@ _DTYPE = operator.attrgetter("dtype")
 _FIFTEEN = itertools.repeat(15)  # endless: one object for every key
 
 
-def _key(device: int, addresses: tuple[int, ...], tensors: tuple, scalars: tuple,
+def _launch_key(device: int, addresses: tuple[int, ...], tensors: tuple, scalars: tuple,
          constexprs: dict) -> tuple:
     """All that decides a launch's specialisation: the device, each tensor's address modulo
     16 (Triton specialises a pointer on its 16-byte alignment alone, so grads at new

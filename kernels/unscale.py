@@ -216,7 +216,7 @@ def block() -> int:
 
 #: Chunk tables that a captured CUDA graph reads: a graph keeps raw addresses, so these live
 #: as long as the process, whatever planning's store drops.
-_captured: dict[int, torch.Tensor] = {}
+_tables_for_graphs: dict[int, torch.Tensor] = {}
 
 
 def launch_unscale(
@@ -277,7 +277,7 @@ def launch_unscale(
     fp64 = base.dtype == torch.float64
     partials = found_inf.new_empty(plan.grid, dtype=_partial_dtype(fp64)) if norm else found_inf
     if plan.table is not None and base.is_cuda and torch.cuda.is_current_stream_capturing():
-        _captured[id(plan.table)] = plan.table
+        _tables_for_graphs[id(plan.table)] = plan.table
     interpreting = _INTERPRETED
     # bf16 goes to the interpreter as its int16 bits (the interpreter's bf16 casts are inexact)
     bf16_bits = interpreting and base.dtype == torch.bfloat16

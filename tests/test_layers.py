@@ -1,11 +1,13 @@
 """The layers' boundaries, read from the source: no import cycle, internal modules import no
 public module above them, ``kernels/`` imports nothing from the package but the description
 of its arguments (``triton_scaler/_kernel_args.py``), the unscale kernel is launched from
-the dispatch layer (``triton_scaler/_dispatch.py``) alone, and launch planning keeps what it reuses in
-one bounded store, which a scaler step and an ops call both fill; and, traced at run time, a
-steady-state ``unscale_`` calls down through at most six files."""
+the dispatch layer (``triton_scaler/_dispatch.py``) alone, a private name means one thing
+across the package; and, at run time, launch planning keeps what a scaler step and an ops
+call reuse in one store, and a steady-state ``unscale_`` calls down through at most six
+files."""
 
 import ast
+import math
 from pathlib import Path
 
 import torch
@@ -45,31 +47,42 @@ def test_the_unscale_kernel_is_launched_from_the_dispatch_layer_alone():
     assert callers == {"_dispatch.py"}
 
 
-def test_a_scaler_step_and_an_ops_call_keep_their_plans_in_the_one_store(
-        monkeypatch, triton_device):
-    """Their launches, the chunk table and its size pattern are entries of one store, which
-    never holds more than its capacity of each kind (here 3: the oldest entries go)."""
+def test_a_scaler_step_and_an_ops_call_keep_their_plans_in_the_one_store(triton_device,
+                                                                          monkeypatch):
+    """A scaler's ``unscale_`` and an ops call over grads kept in place plan at their first
+    calls (tensor ops: chunk tables built and uploaded), then issue no tensor op besides
+    their launch (an inf planted at the end catches a stale plan); clearing planning's one
+    store makes both plan again, as at first."""
+    from _launch_counting import _launches, _Ops
+
     _plan_store.clear()
     params = [torch.nn.Parameter(torch.ones(n, device=triton_device)) for n in (5, 4099, 3)]
     opt = torch.optim.SGD(params, lr=0.1)
     scaler = GradScaler(triton_device.type, backend="triton")
-    for _ in range(2):
-        scaler.scale(sum(p.sum() for p in params)).backward()
-        scaler.step(opt)
-        scaler.update()
-    found = torch.zeros((), device=triton_device)
-    ops.non_finite_check_and_unscale_([torch.ones(7, device=triton_device),
-                                       torch.ones(9, device=triton_device)], found,
-                                      torch.ones((), device=triton_device), backend="triton")
-    kinds = {kind: _plan_store.count(kind) for kind in ("grads", "ops", "table", "sizes")}
-    assert kinds == {"grads": 1, "ops": 1, "table": 2, "sizes": 2}
-    monkeypatch.setattr(_plan_store, "CAPACITY", 3)
-    for i in range(4):
-        _plan_store.keep(("table", i), i)
-    assert _plan_store.count("table") == 3 and _plan_store.lookup(("table", 0)) is None
-    assert _plan_store.count("grads") == 1
+    grads = [torch.ones(n, device=triton_device) for n in (7, 9)]
+    one = torch.ones((), device=triton_device)
+    issued: dict[str, list[int]] = {"unscale_": [], "ops": []}
+    with _launches(monkeypatch):  # (the interpreter's work inside a launch is not counted)
+        for call in range(4):
+            if call == 3:
+                _plan_store.clear()
+            scaler.scale(sum(p.sum() for p in params)).backward()
+            with _Ops() as mode:
+                scaler.unscale_(opt)
+            issued["unscale_"].append(sum(mode.ops.values()))
+            assert all(torch.equal(p.grad, torch.ones_like(p)) for p in params)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=False)
+            found = torch.zeros((), device=triton_device)
+            grads[1][-1] = math.inf if call == 2 else 1.0  # at the stored plans' end
+            with _Ops() as mode:
+                ops.non_finite_check_and_unscale_(grads, found, one, backend="triton")
+            issued["ops"].append(sum(mode.ops.values()))
+            assert found.item() == (1.0 if call == 2 else 0.0)
+    for name, counts in issued.items():
+        assert counts[0] > 0 and counts[1:] == [0, 0, counts[0]], (name, counts)
     _plan_store.clear()
-
 
 
 def _package_imports() -> dict[str, set[str]]:
@@ -172,3 +185,39 @@ def test_a_steady_state_unscale_passes_through_at_most_six_files(backend):
     assert through | {device_work} <= {"_compile.py", "grad_scaler.py", "_grads.py",
                                        "_dispatch.py", "unscale.py", device_work}
     assert len(through | {device_work}) <= 6, through
+
+
+def _private_definitions(path: Path) -> dict[str, str]:
+    """The module-level private names a file defines (functions, classes, assignments),
+    each with its definition's source; a module's own state (a container it fills, a function,
+    a class) gets its file's name too, so that it matches no other module's."""
+    source = path.read_text()
+    found: dict[str, str] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        else:
+            continue
+        alias = isinstance(node, (ast.Assign, ast.AnnAssign)) and \
+            isinstance(node.value, (ast.Attribute, ast.Call))
+        for name in names:
+            if name.startswith("_") and not name.startswith("__"):
+                found[name] = (ast.get_source_segment(source, node) or "") + \
+                    ("" if alias else f"  # {path}")
+    return found
+
+
+def test_a_private_name_means_one_thing_across_the_package():
+    """Where two modules define the same private name, they define it alike (an alias of
+    one torch accessor); a name never stands for two different things."""
+    seen: dict[str, tuple[str, str]] = {}
+    files = sorted((ROOT / "triton_scaler").rglob("*.py")) + sorted((ROOT / "kernels").glob("*.py"))
+    for path in files:
+        for name, definition in _private_definitions(path).items():
+            if name in seen:
+                assert seen[name][1] == definition, (name, seen[name][0], path.name)
+            else:
+                seen[name] = (path.name, definition)

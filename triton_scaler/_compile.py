@@ -3,8 +3,10 @@ traced runs eagerly from inside it.
 
 The scaler's calls are written once and run both eagerly and traced. Only the seams ask
 :func:`is_traced`: collecting the grads (:func:`triton_scaler._grads.collect_grads`),
-dispatching device work (:mod:`triton_scaler._dispatch`) and making the device state
-(:meth:`triton_scaler._state.ScalerState._init_device_state`). Host work that must not be
+dispatching device work (:mod:`triton_scaler._dispatch`), making the device state
+(:meth:`triton_scaler._state.ScalerState._init_device_state`) and a watch's host records
+(:mod:`triton_scaler.telemetry`: kept passes and row indices, which traced code makes
+afresh). Host work that must not be
 traced (an optimizer's own step with attributes set on it, a host read, bookkeeping of
 gradient buckets) runs in an :func:`eager_frame`.
 """

@@ -238,14 +238,14 @@ def unscale_or_check(grads: Sequence[torch.Tensor], found_inf: torch.Tensor,
     tensor, a backend that is not a string)."""
     if not is_traced():
         _unscale_or_check(grads, found_inf, inv_scale, backend, write)
-    elif isinstance(grads, (list, tuple)) and isinstance(backend, str) and _plain(grads):
+    elif isinstance(grads, (list, tuple)) and isinstance(backend, str) and _plain_tensors(grads):
         op = _ops.non_finite_check_and_unscale_ if write else _ops.non_finite_check_
         op(list(grads), found_inf, inv_scale, backend)
     else:
         run_eagerly(_unscale_or_check, grads, found_inf, inv_scale, backend, write)
 
 
-def _plain(tensors: Sequence) -> bool:
+def _plain_tensors(tensors: Sequence) -> bool:
     """Whether each item is a plain tensor or parameter (a loop, not ``all(...)``: older
     dynamo versions cannot inline a generator there)."""
     for t in tensors:
@@ -327,13 +327,17 @@ def update_scale(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: t
         reference.update_scale_(scale, growth_tracker, found_inf, policy, hysteresis_tracker)
 
 
-def update_scale_with_settings(scale, growth_tracker, found_inf, hysteresis_tracker,
-                               growth_factor, backoff_factor, growth_interval, hysteresis,
-                               consecutive_hysteresis, min_scale, max_scale, backend,
-                               params) -> None:
-    """:func:`triton_scaler.ops.update_scale_`: traced code hands settings that are Python
-    numbers of their kinds to the registered op (which validates them at run time); anything
-    else is validated here, and refused with its name."""
+def update_scale_with_settings(scale: torch.Tensor, growth_tracker: torch.Tensor,
+                               found_inf: torch.Tensor, hysteresis_tracker: torch.Tensor | None,
+                               growth_factor: float, backoff_factor: float,
+                               growth_interval: int, hysteresis: int,
+                               consecutive_hysteresis: bool, min_scale: float,
+                               max_scale: float, backend: str,
+                               params: torch.Tensor | None) -> None:
+    """:func:`triton_scaler.ops.update_scale_` (also the registered op's implementation):
+    traced code hands settings that are Python numbers of their kinds to the registered op
+    (which validates them at run time); anything else is validated here, and refused with
+    its name."""
     if is_traced() and isinstance(backend, str) and _numbers(
             (growth_factor, backoff_factor, min_scale, max_scale), (growth_interval, hysteresis),
             (consecutive_hysteresis,)):
@@ -397,16 +401,6 @@ def _clip_impl(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: to
                                     write=True, clip_coef=clip_coef)
 
 
-def _update_scale_impl(scale: torch.Tensor, growth_tracker: torch.Tensor,
-                       found_inf: torch.Tensor, hysteresis_tracker: torch.Tensor | None,
-                       growth_factor: float, backoff_factor: float, growth_interval: int,
-                       hysteresis: int, consecutive_hysteresis: bool, min_scale: float,
-                       max_scale: float, backend: str, params: torch.Tensor | None) -> None:
-    update_scale_with_settings(scale, growth_tracker, found_inf, hysteresis_tracker,
-                               growth_factor, backoff_factor, growth_interval, hysteresis,
-                               consecutive_hysteresis, min_scale, max_scale, backend, params)
-
-
 def _scaler_update_impl(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
                         hysteresis_tracker: torch.Tensor | None, skipped: torch.Tensor,
                         skipped_count: torch.Tensor, params: torch.Tensor,
@@ -445,7 +439,8 @@ _define("non_finite_check_and_unscale_", ("grads", "found_inf"), _unscale_impl)
 _define("non_finite_check_", ("found_inf",), _check_impl)
 _define("unscale_norm_", ("found_inf",), _norm_impl, _norm_fake)
 _define("unscale_clip_", ("grads", "found_inf"), _clip_impl)
-_define("update_scale_", ("scale", "growth_tracker", "hysteresis_tracker"), _update_scale_impl)
+_define("update_scale_", ("scale", "growth_tracker", "hysteresis_tracker"),
+        update_scale_with_settings)
 _define("scaler_update_", ("scale", "growth_tracker", "flags", "hysteresis_tracker", "skipped",
                            "skipped_count"), _scaler_update_impl)
 _define("before_backward_", ("token",), _before_backward_impl)

@@ -205,10 +205,13 @@ def collect_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: s
     Eager code (:func:`grad_groups`): each gradient bucket's buffer as one group (the buckets'
     records give ``grad = None`` where no gradient came), the other grads by (device, dtype)
     with the launch plans kept for their addresses; before a write over several groups, every
-    refusal (grads sharing memory) is raised before anything is written. Traced code
-    (:func:`traced_groups`): a plain loop over the grads, grouped by (device, dtype)."""
+    refusal (grads sharing memory) is raised before anything is written. Traced code: a
+    plain loop over the grads (a bucket's grads are its views), grouped by (device, dtype)
+    in order of first appearance, as torch groups them (:func:`_groups_slow`; no addresses,
+    no host records)."""
     if is_traced():
-        return traced_groups(optimizer, allow_fp16), {}
+        return _groups_slow([p for g in optimizer.param_groups for p in g["params"]],
+                            allow_fp16, backend)
     groups, mesh_groups = grad_groups(optimizer, allow_fp16, backend)
     if write:
         for group in groups:  # kept plans (a step's usual case) were refused when planned
@@ -217,25 +220,6 @@ def collect_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: s
                 _plans.refuse_group_writes(groups, backend)
                 break
     return groups, mesh_groups
-
-
-def traced_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> list[GradGroup]:
-    """The optimizer's grads by (device, dtype), in order of first appearance, as torch
-    groups them: a plain loop over ``param.grad`` (a bucket's grads are its views), what
-    code that dynamo traces may run (no addresses, no host records)."""
-    by_key: dict[tuple, list[torch.Tensor]] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            grad = param.grad
-            if grad is None:
-                continue
-            if not allow_fp16 and grad.dtype == torch.float16:
-                raise ValueError("Attempting to unscale FP16 gradients.")
-            key = (grad.device, grad.dtype)
-            if key not in by_key:
-                by_key[key] = []
-            by_key[key].append(grad)
-    return [GradGroup(device, grads) for (device, _), grads in by_key.items()]
 
 
 def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str

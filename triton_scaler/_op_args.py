@@ -45,7 +45,7 @@ def as_tensor_list(grads: object, name: str = "grads") -> list[torch.Tensor]:
                         f"{type(grads).__name__}") from None
 
 
-_dtype_of, _device_of, _layout_of, _is_nested = (
+_dtype_of, _device_of, _tensor_layout, _is_nested = (
     attrgetter(a) for a in ("dtype", "device", "layout", "is_nested"))
 
 
@@ -61,7 +61,7 @@ def group_grads(grads: list[torch.Tensor], device: torch.device, plain: bool):
     C-level passes (half the per-grad loop's host time at 1000 grads)."""
     if (plain and len(dtypes := set(map(_dtype_of, grads))) == 1
             and dtypes.issubset(FLOAT_DTYPES) and set(map(_device_of, grads)) == {device}
-            and set(map(_layout_of, grads)) == {torch.strided}
+            and set(map(_tensor_layout, grads)) == {torch.strided}
             and not any(map(_is_nested, grads))):
         return [grads]
     groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)

@@ -182,7 +182,7 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
     entry = _plan_store.lookup(key)
     if entry is not None:
         return entry
-    unique_addresses, numels = _without_aliases(addresses, numels)
+    unique_addresses, numels = _unique_starts(addresses, numels)
     owner, offset, length, sizes = _chunks(numels, block)
     rel = torch.tensor(unique_addresses, dtype=torch.int64, device="cpu").sub_(unique_addresses[0])
     rel = rel.div_(first.element_size(), rounding_mode="floor")
@@ -233,13 +233,13 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         return host.to(device)
     pinned = host.pin_memory()
     if torch.cuda.is_current_stream_capturing():  # the graph replays this upload
-        _captured[id(pinned)] = pinned
+        _pinned_for_graphs[id(pinned)] = pinned
     return pinned.to(device, non_blocking=True)
 
 
 #: The pinned host buffers of uploads that a captured CUDA graph replays: a graph keeps raw
 #: addresses, so these live as long as the process, whatever the store drops.
-_captured: dict[int, torch.Tensor] = {}
+_pinned_for_graphs: dict[int, torch.Tensor] = {}
 
 
 def _ranges_overlap(starts: torch.Tensor, lengths: torch.Tensor) -> bool:
@@ -297,7 +297,7 @@ def _copied_grad_shares_memory(grads: list[torch.Tensor], copied: list[torch.Ten
     return False
 
 
-def _without_aliases(addresses: tuple[int, ...], numels: tuple[int, ...]):
+def _unique_starts(addresses: tuple[int, ...], numels: tuple[int, ...]):
     """Drop grads that start at the address of an earlier one (``p2.grad = p1.grad``): each
     memory location is unscaled once. Non-empty grads only (the caller drops empty ones)."""
     if len(set(addresses)) == len(addresses):

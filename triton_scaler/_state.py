@@ -30,7 +30,7 @@ def fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-def _key(key: str) -> str:
+def _state_key(key: str) -> str:
     return f"state_dict[{key!r}]"
 
 
@@ -55,7 +55,7 @@ def _policy_field(field: str) -> Any:  # a property; Any: torch types those it r
     return property(get, set, doc=f"The policy's ``{field}``.")
 
 
-class ScalerStateMixin(torch.amp.GradScaler):
+class ScalerState(torch.amp.GradScaler):
     """:class:`GradScaler`'s state beside torch's: the settings (a :class:`ScalePolicy`), the
     device tensors, the skip signal, checkpoints (state_dict, pickling)."""
 
@@ -368,17 +368,17 @@ class ScalerStateMixin(torch.amp.GradScaler):
                            f"{list(TORCH_KEYS)} (and optionally {list(EXTENSION_KEYS)})")
         state_dict = {key: _number_of(value) for key, value in state_dict.items()}
         settings = {f: state_dict[f] for f in self._policy.state_items() if f in state_dict}
-        policy = ScalePolicy.create(settings, name=_key, base=self._policy)
-        scale = check_scale_value(_key("scale"), state_dict["scale"], policy)
-        growth_tracker = as_int(_key("_growth_tracker"), state_dict["_growth_tracker"], 0,
+        policy = ScalePolicy.create(settings, name=_state_key, base=self._policy)
+        scale = check_scale_value(_state_key("scale"), state_dict["scale"], policy)
+        growth_tracker = as_int(_state_key("_growth_tracker"), state_dict["_growth_tracker"], 0,
                                 INT32_MAX)
         if "_hysteresis_tracker" in state_dict:
             hysteresis_tracker = as_int(
-                _key("_hysteresis_tracker"), state_dict["_hysteresis_tracker"], INT32_MIN,
+                _state_key("_hysteresis_tracker"), state_dict["_hysteresis_tracker"], INT32_MIN,
                 policy.hysteresis, f"an int <= hysteresis ({policy.hysteresis})")
         else:  # torch's dicts have none: keep ours (refilled to a smaller new hysteresis)
             hysteresis_tracker = min(self._get_hysteresis_tracker(), policy.hysteresis)
-        skipped = as_int(_key("skipped_steps"),
+        skipped = as_int(_state_key("skipped_steps"),
                          state_dict.get("skipped_steps", self._init_skipped_steps), 0, _INT64_MAX)
         # Validated: now change everything.
         self._set_policy(policy)

@@ -29,7 +29,7 @@ from ._compile import eager_frame, never_traced, traced_when
 from ._dispatch import bind_scaler_update, note_backward, scaler_update, unscale_group
 from ._distributed import agree_over_meshes
 from ._grads import PerDevice, collect_grads
-from ._state import FOUND_INF_SLOTS, ScalerStateMixin
+from ._state import FOUND_INF_SLOTS, ScalerState
 from ._step import step_takes_grad_scaler
 from ._warn import warn_at_caller
 from .policy import ScalePolicy, check_scale_value
@@ -156,7 +156,7 @@ class MinScaleReachedError(RuntimeError):
     ``raise_at_min_scale=True`` (DeepSpeed's ``raise_error_at_min_scale``)."""
 
 
-class GradScaler(ScalerStateMixin):
+class GradScaler(ScalerState):
     """Drop-in replacement for :class:`torch.amp.GradScaler`.
 
     The positional arguments and defaults are torch's; with them the scale trajectory, growth
@@ -317,19 +317,13 @@ class GradScaler(ScalerStateMixin):
         torch._C._set_grad_enabled(False)
         try:
             groups, mesh_groups = collect_grads(optimizer, allow_fp16, self._backend, write)
-            watch = self._watch
-            if watch is None:
-                for group in groups:
-                    device = group.device
-                    unscale_group(group, found_for.get(device), inv_for.get(device),
-                                  self._backend, write, from_scale=from_scale)
-            else:  # the launches also store the watched grads' statistics
-                launched, stats = watch._fused_pass(optimizer, groups, self._scale)
-                for group, group_stats in zip(launched, stats):
-                    device = group.device
-                    unscale_group(group, found_for.get(device), inv_for.get(device),
-                                  self._backend, write, from_scale=from_scale,
-                                  stats=group_stats)
+            # with a watch, the launches also store the watched grads' statistics
+            launched, stats = (groups, [None] * len(groups)) if self._watch is None else \
+                self._watch._fused_pass(optimizer, groups, self._scale)
+            for group, group_stats in zip(launched, stats):
+                device = group.device
+                unscale_group(group, found_for.get(device), inv_for.get(device),
+                              self._backend, write, from_scale=from_scale, stats=group_stats)
             if write:
                 self._note_written_padding(optimizer, groups)
             if mesh_groups:
@@ -629,7 +623,7 @@ class GradScaler(ScalerStateMixin):
         scale, growth_tracker = self._scale, self._growth_tracker
         assert scale is not None and growth_tracker is not None  # checked by update()
         flags, skipped, count = self._flags, self._last_step_skipped_bytes, self._skipped_steps_t
-        if skipped is None:  # viewed once (see ScalerStateMixin._init_device_state)
+        if skipped is None:  # viewed once (see ScalerState._init_device_state)
             assert self._last_step_skipped is not None  # made with the scale
             skipped = self._last_step_skipped_bytes = self._last_step_skipped.view(torch.uint8)
         uses = (self._policy, self._backend, scale, growth_tracker, flags,

@@ -26,7 +26,7 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 Namer = Callable[[str], str]
 
 
-def _plain(field: str) -> str:
+def _field_name(field: str) -> str:
     return field
 
 
@@ -64,7 +64,7 @@ def as_bool(name: str, value: object) -> bool:
 
 
 def check_scale_value(name: str, value: object, policy: ScalePolicy | None = None,
-                      bounds: Namer = _plain) -> float:
+                      bounds: Namer = _field_name) -> float:
     """A loss scale as a Python float: finite, a normal float32 (so its reciprocal, the
     ``inv_scale`` of the unscale op, is finite) and within the policy's
     ``[min_scale, max_scale]``. ``ValueError`` / ``TypeError`` naming ``name`` otherwise (and
@@ -107,11 +107,11 @@ class ScalePolicy:
     skip_on_overflow: bool = True
 
     def __post_init__(self) -> None:
-        for field, value in _normalized(self, _plain).items():
+        for field, value in _normalized(self, _field_name).items():
             object.__setattr__(self, field, value)
 
     @classmethod
-    def create(cls, values: Mapping[str, Any], name: Namer = _plain,
+    def create(cls, values: Mapping[str, Any], name: Namer = _field_name,
                base: ScalePolicy | None = None) -> ScalePolicy:
         """A policy from ``base`` (default settings when None) with ``values`` replaced.
         Unknown fields raise ``TypeError``; errors name each field as ``name(field)``, e.g.

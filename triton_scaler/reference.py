@@ -35,7 +35,7 @@ def _may_overflow(inv_scale: torch.Tensor) -> bool:
     return not 0.0 <= _read_cpu_scalar(inv_scale) <= 1.0
 
 
-def _without_aliases(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def _unaliased(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Drop grads that start at the address of an earlier non-empty one (``p2.grad =
     p1.grad.t()``): each memory location is unscaled once (torch's op unscales it twice)."""
     if len(set(map(torch.Tensor.data_ptr, grads))) == len(grads):  # C-level: the usual case
@@ -63,7 +63,7 @@ def non_finite_check_and_unscale_(
     """``grads[i] = dtype(fp32(grads[i]) * inv_scale)`` (float64 grads: in float64);
     ``found_inf = 1.0`` if an input or a product is non-finite. Grads share found_inf's device;
     any mix of float dtypes."""
-    grads = _without_aliases(grads)
+    grads = _unaliased(grads)
     for_torchs_op = grads
     may_overflow = _may_overflow(inv_scale)
     if lacks_bf16_unscale(found_inf.device):

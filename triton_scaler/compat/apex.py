@@ -26,13 +26,13 @@ from .._backend import Backend, check_backend
 from ..grad_scaler import GradScaler
 from ..policy import INT32_MAX, ScalePolicy, as_int, as_real, check_scale_value
 
-_NAMES = {"growth_interval": "scale_window", "min_scale": "min_loss_scale",
+_APEX_NAMES = {"growth_interval": "scale_window", "min_scale": "min_loss_scale",
           "max_scale": "max_loss_scale"}
 _SKIP_ATTR = "_triton_scaler_apex_pending"
 
 
 def _apex_name(field: str) -> str:
-    return _NAMES.get(field, field)
+    return _APEX_NAMES.get(field, field)
 
 
 class Amp:

@@ -17,7 +17,7 @@ from .._backend import Backend, check_backend
 from ..policy import ScalePolicy, as_bool, check_scale_value
 from ._common import bool_flags, default_device, fp32_value, grads_of, overflow_flag
 
-_NAMES = {"growth_interval": "scale_window", "hysteresis": "delayed_shift"}
+_DEEPSPEED_NAMES = {"growth_interval": "scale_window", "hysteresis": "delayed_shift"}
 
 
 class LossScaler:
@@ -101,7 +101,7 @@ class DynamicLossScaler(LossScaler):
             dict(growth_factor=self.scale_factor, backoff_factor=1.0 / self.scale_factor,
                  growth_interval=scale_window, hysteresis=delayed_shift, min_scale=min_scale,
                  consecutive_hysteresis=consecutive_hysteresis),
-            name=lambda field: _NAMES.get(field, field))
+            name=lambda field: _DEEPSPEED_NAMES.get(field, field))
         self._init_state(check_scale_value("init_scale", init_scale, self._policy), device,
                          backend)
         self.scale_window = self._policy.growth_interval
