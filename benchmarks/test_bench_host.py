@@ -48,13 +48,14 @@ def test_host_cost(benchmark, n_params, impl, flags, host_layout):
 
 def test_dense_new_memory_misses_every_step(monkeypatch):
     """``dense`` new memory is new to triton_scaler's caches every step, its chunk table too
-    (built through ``_unique_starts`` on a miss only), also once the shifts come round."""
+    (its rows made by ``_rows`` on a miss only), also once the shifts come round."""
     from _host_cost import _SHIFTS
 
     from triton_scaler import _plans as plan
 
     built = []
-    monkeypatch.setattr(plan, "_unique_starts", lambda *args: built.append(1) or args)
+    rows = plan._rows
+    monkeypatch.setattr(plan, "_rows", lambda *args: built.append(1) or rows(*args))
     with noop_launches():
         prepare, step = make_step("ours", 10, grads="new_memory", host_layout="dense")
         for _ in range(_SHIFTS + 5):

@@ -247,16 +247,17 @@ def launch_unscale(
         inv_from_scale: see ``inv_scale``.
         base: the launch's base grad when ``plan`` is a kept template (which holds none):
             the grad at the template's ``base_index`` in a list laid out as its own.
-        stats: a watched launch's ``(partials, finish, counters, rows)``: float64
-            ``[plan.grid, 4]`` (contiguous) for each program's sum of squares, max ``|x|`` of
-            the values that are not NaN, inf count and NaN count, of the unscaled
-            (dtype-rounded) grads before a clip; int64 ``finish``: each program's watched
-            tensor (``-1``: none), then per watched tensor ``(begin, end, row)``, its
-            programs and its row of ``rows``; int32 ``counters``, one per watched tensor,
-            zero (and zero again after the launch); float64 ``rows`` ``[n, 5]``, where each
-            watched tensor's ``(amax, sum of squares, inf count, NaN count, 1.0)`` is
-            written (amax NaN where a NaN was seen) by its last program
-            (:func:`.stats.finish_tensor`).
+        stats: a watched launch's ``(partials, finish, counters, rows)``, as
+            ``triton_scaler._plans.finish_buffers`` makes them: float64 ``[plan.grid +
+            groups, 4]`` (contiguous) for each program's sum of squares, max ``|x|`` of the
+            values that are not NaN, inf count and NaN count, of the unscaled (dtype-rounded)
+            grads before a clip, then each group's sums; int64 ``finish``: each program's
+            watched tensor (``-1``: none), then per watched tensor ``(begin, end, row, first
+            group, its counter)`` (``_plans.finish_table``); int32 ``counters``, one per
+            group and one per watched tensor, zero (and zero again after the launch);
+            float64 ``rows`` ``[n, 5]``, where each watched tensor's ``(amax, sum of squares,
+            inf count, NaN count, 1.0)`` is written (amax NaN where a NaN was seen) by its
+            last program (:func:`.stats.finish_tensor`).
 
     Returns:
         With ``norm``, a 0-d float32 (float64 for float64 grads) device tensor; else None.

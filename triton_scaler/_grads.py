@@ -132,6 +132,9 @@ class _Layout:
         self.plain_groups = [(device, dtype, _picker(indices, len(outside)), indices)
                              for (device, dtype), indices in by_key.items()]
         self.has_fp16 = any(dtype == torch.float16 for _, dtype in by_key)
+        #: the last planned grads outside buckets that passed every check: (TensorGuards over
+        #: them, their sizes, their dtypes, whether every one was contiguous)
+        self.known: tuple | None = None
 
     def is_current(self, optimizer: torch.optim.Optimizer) -> bool:
         """The optimizer still holds these parameter objects. One C-level identity pass when
@@ -303,11 +306,18 @@ def _groups_fast(layout: _Layout, params: list[torch.Tensor],
 def _groups_planned(layout: _Layout, key: tuple, grads: list[torch.Tensor],
                     params: list[torch.Tensor]) -> list[GradGroup] | None:
     """New launch plans (a chunk table each) after checking every grad's type, dtype,
-    device and size; stored for the next step's :func:`_groups_fast`."""
-    if set(map(type, grads)) != {torch.Tensor}:
-        return None
+    device and size; stored for the next step's :func:`_groups_fast`. Grads laid out as the
+    layout's last planned ones (its guard: one C++ call) need no Python pass but over their
+    addresses (new grads at new addresses: an allocator that hands out other blocks)."""
     _, backend, addresses = key
-    numels, dtypes = tuple(map(_NUMEL, grads)), tuple(map(_DTYPE, grads))
+    known = layout.known
+    if known is not None and known[0].check(*grads):
+        guard, numels, dtypes, contiguous = known
+    else:
+        if set(map(type, grads)) != {torch.Tensor}:
+            return None
+        guard, contiguous = None, None
+        numels, dtypes = tuple(map(_NUMEL, grads)), tuple(map(_DTYPE, grads))
     groups: list[GradGroup] = []
     # None: a plan that cannot be kept; (index, None): a group on the reference path
     launches: list[tuple[int, UnscalePlan | None] | None] = []
@@ -315,30 +325,31 @@ def _groups_planned(layout: _Layout, key: tuple, grads: list[torch.Tensor],
         members = pick(grads)
         # each grad's dtype and device index, then the device itself through the first grad
         # (torch.device objects cost an allocation per grad)
-        if dtype not in FLOAT_DTYPES or set(pick(dtypes)) != {dtype} or \
-                set(map(_DEVICE_INDEX, members)) != {_index(device)} or \
-                members[0].device != device:
+        if guard is None and (dtype not in FLOAT_DTYPES or set(pick(dtypes)) != {dtype} or
+                              set(map(_DEVICE_INDEX, members)) != {_index(device)} or
+                              members[0].device != device):
             layout.signature = None  # parameters converted in place: rebuild next step
             return None
         group = GradGroup(device, members, tuple(pick(numels)), tuple(pick(addresses)),
                           params=params, indices=indices)
         if resolve_backend(backend, device) == "triton":
-            plan = group.launch_target()
+            plan = group.plan = _plans.plan_unscale(members, group.numels, group.addresses,
+                                                    contiguous)
             launches.append((indices[plan.base_index], plan.template()) if plan.reusable
                             else None)
         else:  # the reference path plans nothing: kept are the checks above
             group.reference = True
             launches.append((indices[0], None))
         groups.append(group)
-    stored = None
-    if None not in launches:  # reusable: stored
+    if guard is None:  # every check passed: these grads' layout, for the next new addresses
+        guard = tensor_guards(grads)
+        contiguous = all(g.plan is None or g.plan.contiguous for g in groups)
+        layout.known = None if guard is None else (guard, numels, dtypes, contiguous)
+    if None in launches:  # a plan that cannot be kept (contiguous copies, shared memory)
+        _plan_store.drop(key)
+    elif guard is not None or contiguous:  # else (no guard) only contiguous grads are checked
         kept = cast("list[tuple[int, UnscalePlan | None]]", launches)  # none is None
-        stored = StoredLaunches(kept, numels, dtypes)
-        if not all(template is not None and template.contiguous for _, template in kept):
-            stored.guard = tensor_guards(grads)
-            stored = stored if stored.guard is not None else None
-    if stored is not None:
-        _plan_store.keep(key, stored)
+        _plan_store.keep(key, StoredLaunches(kept, numels, dtypes, guard))
     else:
         _plan_store.drop(key)
     return groups

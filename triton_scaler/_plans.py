@@ -14,6 +14,7 @@ The kernels (``triton_scaler.kernels``) only launch plans; no Triton code here.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -29,16 +30,19 @@ _NUMEL = torch.Tensor.numel
 
 
 def plan_unscale(grads: list[torch.Tensor], numels: tuple[int, ...] | None = None,
-                 addresses: tuple[int, ...] | None = None) -> UnscalePlan:
+                 addresses: tuple[int, ...] | None = None,
+                 contiguous: bool | None = None) -> UnscalePlan:
     """The host work of a launch over same-device, same-dtype ``grads`` in the blocks the
-    kernel is launched with. ``numels`` / ``addresses``: the grads' sizes / data pointers
-    when the caller already has them. Empty grads are left out; grads that start at the
-    address of an earlier one (aliases) are covered once. No host sync."""
-    return build_plan(grads, numels, addresses, triton_kernels().unscale.block())
+    kernel is launched with. ``numels`` / ``addresses`` / ``contiguous``: the grads' sizes /
+    data pointers / whether every one is contiguous, when the caller already knows them.
+    Empty grads are left out; grads that start at the address of an earlier one (aliases)
+    are covered once. No host sync."""
+    return build_plan(grads, numels, addresses, triton_kernels().unscale.block(), contiguous)
 
 
 def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
-               addresses: tuple[int, ...] | None, block: int) -> UnscalePlan:
+               addresses: tuple[int, ...] | None, block: int,
+               contiguous: bool | None = None) -> UnscalePlan:
     """:func:`plan_unscale` in chunks of ``block`` elements."""
     if numels is None:
         numels = tuple(map(_NUMEL, grads))  # C-level passes: cheap per grad
@@ -52,7 +56,8 @@ def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
         return UnscalePlan(None, 0, None, 0, 0, [], True, fp64=fp64)
     copies = []
     dense = grads
-    contiguous = all(map(torch.Tensor.is_contiguous, grads))
+    if contiguous is None:
+        contiguous = all(map(torch.Tensor.is_contiguous, grads))
     if not contiguous:  # channels_last, transposed, gapped: Python work per such grad
         dense, addresses = [], None
         for g in grads:
@@ -182,13 +187,25 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
     entry = _plan_store.lookup(key)
     if entry is not None:
         return entry
-    unique_addresses, numels = _unique_starts(addresses, numels)
-    owner, offset, length, sizes = _chunks(numels, block)
-    rel = torch.tensor(unique_addresses, dtype=torch.int64, device="cpu").sub_(unique_addresses[0])
-    rel = rel.div_(first.element_size(), rounding_mode="floor")
-    overlapping = _ranges_overlap(rel, sizes)
+    size = first.element_size()
+    rel, owner, offset, length, overlapping = _rows(addresses, numels, block, size)
+    if overlapping and len(set(addresses)) < len(addresses):  # aliases: each covered once
+        rel, owner, offset, length, overlapping = _rows(*_unique_starts(addresses, numels),
+                                                        block, size)
     table = torch.stack([rel[owner].add_(offset), length], 1)
     return _plan_store.keep(key, (upload(table, first.device), overlapping))
+
+
+def _rows(addresses: tuple[int, ...], numels: tuple[int, ...], block: int, size: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """What a chunk table is made of, for grads of ``size``-byte elements at ``addresses``:
+    their starts in elements from the first (CPU int64), each chunk's grad, offset and length
+    (:func:`_chunks`), and whether two grads' ranges overlap (grads that start at one address
+    included: the caller drops such aliases first)."""
+    rel = torch.frombuffer(array("q", addresses), dtype=torch.int64).sub_(addresses[0])
+    rel = rel.div_(size, rounding_mode="floor")
+    owner, offset, length, sizes = _chunks(numels, block)
+    return rel, owner, offset, length, _ranges_overlap(rel, sizes)
 
 
 def finish_table(grid: int, tensors: list[tuple[int, int, int]], device: torch.device
@@ -243,9 +260,10 @@ _pinned_for_graphs: dict[int, torch.Tensor] = {}
 
 
 def _ranges_overlap(starts: torch.Tensor, lengths: torch.Tensor) -> bool:
-    """Whether two of the ranges ``[start, start + length)`` (CPU int64, distinct starts)
-    overlap: some range, in the order of their starts, ends after the next one starts. CPU
-    tensors, answered by ``torch.equal`` (no device sync, no tensor read on the host)."""
+    """Whether two of the ranges ``[start, start + length)`` (CPU int64, non-empty; two
+    with one start overlap) overlap: some range, in the order of their starts, ends after
+    the next one starts. CPU tensors, answered by ``torch.equal`` (no device sync, no
+    tensor read on the host)."""
     if starts.numel() < 2:
         return False
     starts, order = starts.sort()
