@@ -70,9 +70,9 @@ def count_calls(monkeypatch, owner, name, counts=None, key=None) -> Counter:
     counts = Counter() if counts is None else counts
     real = getattr(owner, name)
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         counts[key or name] += 1
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, counted)
     return counts

@@ -90,6 +90,47 @@ def test_grads_sharing_part_of_their_memory_are_flagged():
     assert overlapping is False
 
 
+@pytest.mark.parametrize("n_grads", [3, plan._FEW, plan._FEW + 1, 600])
+@pytest.mark.parametrize("order", ["ascending", "descending", "shuffled"])
+@pytest.mark.parametrize("shared", [None, "inside", "alias", "touching"])
+def test_sharing_is_found_in_any_order_among_few_or_many_grads(n_grads, order, shared):
+    """Grads one after another in one buffer (sizes 1 to 9, gaps of 0 to 2): the rows are
+    those written out in Python and no memory is shared; one grad moved to start inside the
+    one before it shares memory (``inside``), one at the start of the one before it is an
+    alias, covered once (``alias``: the longer one's rows), one ending exactly where the
+    next starts shares nothing (``touching``). The same in ascending, descending and
+    shuffled order, among few grads (Python passes) and many (tensor ops)."""
+    gen = torch.Generator().manual_seed(n_grads)
+    sizes = torch.randint(1, 10, (n_grads,), generator=gen).tolist()
+    gaps = torch.randint(0, 3, (n_grads,), generator=gen).tolist()
+    buffer = torch.zeros(sum(sizes) + sum(gaps) + 16)
+    starts, at = [], 0
+    for n, gap in zip(sizes, gaps):
+        starts.append(at)
+        at += n + gap
+    k = n_grads // 2  # the grad moved, and the one before it
+    if shared == "inside":
+        starts[k] = starts[k - 1] + sizes[k - 1] - 1
+    elif shared == "alias":
+        starts[k], sizes[k] = starts[k - 1], sizes[k - 1] - 1 if sizes[k - 1] > 1 else 1
+    elif shared == "touching":
+        starts[k] = starts[k - 1] + sizes[k - 1]
+    grads = [buffer[a:a + n] for a, n in zip(starts, sizes)]
+    if order != "ascending":
+        perm = list(range(n_grads))[::-1] if order == "descending" else \
+            torch.randperm(n_grads, generator=gen).tolist()
+        grads = [grads[i] for i in perm]
+    table, overlapping = plan.chunk_table(grads, tuple(g.numel() for g in grads), BLOCK)
+    assert overlapping is (shared == "inside")
+    if shared == "alias":  # each address once, with its longest grad, in order of first seen
+        longest: dict[int, torch.Tensor] = {}
+        for g in grads:
+            if g.data_ptr() not in longest or g.numel() > longest[g.data_ptr()].numel():
+                longest[g.data_ptr()] = g
+        grads = list(longest.values())
+    assert table.tolist() == _expected_rows(grads, BLOCK)
+
+
 def test_a_single_grad_is_one_flat_launch():
     for n in (1, BLOCK - 1, BLOCK, 3 * BLOCK + 1):
         p = plan.build_plan([torch.zeros(n)], None, None, BLOCK)

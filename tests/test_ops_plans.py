@@ -21,9 +21,9 @@ def plans(monkeypatch):
     made = []
     plan_unscale = _plans.plan_unscale
 
-    def counting(grads, *args):
+    def counting(grads, *args, **kwargs):
         made.append(len(grads))
-        return plan_unscale(grads, *args)
+        return plan_unscale(grads, *args, **kwargs)
 
     monkeypatch.setattr(_plans, "plan_unscale", counting)
     _plan_store.clear()

@@ -212,3 +212,38 @@ def test_channels_last_and_transposed_grads(backend, tensor_guards, then, monkey
     assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
     if backend == "triton" and then == "same":
         assert planned["plans"] == (1 if tensor_guards else 7)
+
+
+@pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
+@pytest.mark.parametrize("change", ["none", "strides"])
+def test_grads_at_new_addresses_every_step(backend, change):
+    """Grads at new addresses at every step (views into one buffer, shifted and in another
+    order each step: an allocator handing out other blocks), each step planned against the
+    layout the last planning checked: exact, with an inf planted at a grad's last element and
+    NaN between the grads; a grad turned transposed at new addresses (``strides``) is checked
+    and planned anew."""
+    def run(scaler):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((7,), (20, 15), (33,))]
+        opt = torch.optim.SGD(params, lr=0.1)
+        memory = torch.zeros(2000)
+        for step in range(6):
+            memory.fill_(float("nan"))  # between the grads: what a plan reading past one sees
+            at = 16 * step + 3
+            for i in ((0, 1, 2) if step % 2 else (2, 0, 1)):
+                p = params[i]
+                grad = memory[at:at + p.numel()]
+                if p.dim() == 2 and change == "strides" and step >= 3:
+                    grad = grad.view(15, 20).t()
+                p.grad = grad.view(p.shape) if grad.dim() == 1 else grad
+                p.grad.zero_()
+                at += p.numel() + 5
+            scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(params))
+                         ).backward()
+            if step == 4:
+                params[1].grad[-1, -1] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        return scaler.get_scale(), [p.detach().clone() for p in params]
+
+    assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
