@@ -334,7 +334,7 @@ def _groups_planned(layout: _Layout, key: tuple, grads: list[torch.Tensor],
                           params=params, indices=indices)
         if resolve_backend(backend, device) == "triton":
             plan = group.plan = _plans.plan_unscale(members, group.numels, group.addresses,
-                                                    contiguous, keep_table=False)
+                                                    contiguous)
             launches.append((indices[plan.base_index], plan.template()) if plan.reusable
                             else None)
         else:  # the reference path plans nothing: kept are the checks above

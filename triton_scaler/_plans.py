@@ -36,20 +36,18 @@ _FEW = 160
 
 def plan_unscale(grads: list[torch.Tensor], numels: tuple[int, ...] | None = None,
                  addresses: tuple[int, ...] | None = None,
-                 contiguous: bool | None = None, keep_table: bool = True) -> UnscalePlan:
+                 contiguous: bool | None = None) -> UnscalePlan:
     """The host work of a launch over same-device, same-dtype ``grads`` in the blocks the
     kernel is launched with. ``numels`` / ``addresses`` / ``contiguous``: the grads' sizes /
     data pointers / whether every one is contiguous, when the caller already knows them.
-    ``keep_table=False``: the caller keeps the plan, the chunk table is not stored again.
     Empty grads are left out; grads that start at the address of an earlier one (aliases)
     are covered once. No host sync."""
-    return build_plan(grads, numels, addresses, triton_kernels().unscale.block(), contiguous,
-                      keep_table)
+    return build_plan(grads, numels, addresses, triton_kernels().unscale.block(), contiguous)
 
 
 def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
                addresses: tuple[int, ...] | None, block: int,
-               contiguous: bool | None = None, keep_table: bool = True) -> UnscalePlan:
+               contiguous: bool | None = None) -> UnscalePlan:
     """:func:`plan_unscale` in chunks of ``block`` elements."""
     if numels is None:
         numels = tuple(map(_NUMEL, grads))  # C-level passes: cheap per grad
@@ -78,7 +76,7 @@ def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
     if len(dense) == 1:
         return UnscalePlan(dense[0], base_index, None, numels[0], -(-numels[0] // block),
                            copies, contiguous, fp64=fp64, refusal=refusal)
-    table, overlapping = chunk_table(dense, numels, block, addresses, keep_table)
+    table, overlapping = chunk_table(dense, numels, block, addresses)
     overlapping = overlapping or bool(copies) and \
         _copied_grad_shares_memory(grads, [g for g, _ in copies])
     return UnscalePlan(dense[0], base_index, table, 0, table.shape[0], copies, contiguous,
@@ -175,25 +173,23 @@ def _index_in(grads: list[torch.Tensor], members: list[torch.Tensor], index: int
 
 
 def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
-                addresses: tuple[int, ...] | None = None,
-                keep: bool = True) -> tuple[torch.Tensor, bool]:
+                addresses: tuple[int, ...] | None = None) -> tuple[torch.Tensor, bool]:
     """The chunk table of contiguous, non-empty, same-dtype ``grads`` on one device, whose
     sizes are ``numels``: an int64 ``[n_chunks, 2]`` device tensor of ``(start, length)`` rows,
     start in elements from ``grads[0]``. Every chunk but a tensor's last is ``block`` long.
     Also whether two grads share part of their memory (one starts inside another; grads that
     start at the same address count once): their chunks would overlap.
 
-    Kept in the store on the grads' addresses and sizes (unless not ``keep``: the caller
-    keeps its plan), so a training loop whose grads keep their storage builds it once; a hit
-    costs one pass over the grads' addresses. Grads at new addresses with sizes seen before
-    (:func:`_chunks`) cost six small ops, and the shared-memory check Python passes or five
-    more ops (:func:`_rows`).
+    Kept in the store on the grads' addresses and sizes, so a training loop whose grads keep
+    their storage builds it once; a hit costs one pass over the grads' addresses. Grads at
+    new addresses with sizes seen before (:func:`_chunks`) cost six small ops, and the
+    shared-memory check Python passes or five more ops (:func:`_rows`).
     """
     first = grads[0]
     if addresses is None:
         addresses = tuple(map(_DATA_PTR, grads))
     key = ("table", first.device, first.dtype, block, addresses, numels)
-    entry = _plan_store.lookup(key) if keep else None
+    entry = _plan_store.lookup(key)
     if entry is not None:
         return entry
     size = first.element_size()
@@ -202,8 +198,7 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
         rel, owner, offset, length, overlapping = _rows(*_unique_starts(addresses, numels),
                                                         block, size)
     table = torch.stack([rel[owner].add_(offset), length], 1)
-    entry = upload(table, first.device), overlapping
-    return _plan_store.keep(key, entry) if keep else entry
+    return _plan_store.keep(key, (upload(table, first.device), overlapping))
 
 
 def _rows(addresses: tuple[int, ...], numels: tuple[int, ...], block: int, size: int
