@@ -13,7 +13,7 @@ from _launch_counting import count_calls
 from _plan_reuse import assert_matches_torch, train_in_fixed_memory
 from _util import view_in
 
-from triton_scaler import _plan_store, _plans
+from triton_scaler import GradScaler, _plan_store, _plans
 
 tensor_guards = _plan_reuse.tensor_guards  # autouse: every test three ways
 
@@ -247,3 +247,40 @@ def test_grads_at_new_addresses_every_step(backend, change):
         return scaler.get_scale(), [p.detach().clone() for p in params]
 
     assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
+
+
+def test_grads_planned_again_at_the_same_addresses_issue_no_tensor_op(backend, tensor_guards,
+                                                                       monkeypatch):
+    """Grads at their addresses of the step before, planned again where the kept plans'
+    check fails (here under a TorchDispatchMode, which torch's TensorGuards see): the chunk
+    table comes from the store, so the step's unscale issues no tensor op besides its
+    launch, and steps as torch's."""
+    from _launch_counting import _launches, _Ops
+
+    if backend != "triton" or not tensor_guards:
+        pytest.skip("plans are kept on the Triton backend; the guard is torch's")
+    counts = count_calls(monkeypatch, _plans, "plan_unscale")
+    issued = []
+
+    def run(scaler):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 300, 3)]
+        opt = torch.optim.SGD(params, lr=0.1)
+        with _launches(monkeypatch):
+            for step in range(4):
+                opt.zero_grad(set_to_none=False)
+                scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(params))
+                             ).backward()
+                if step == 3:
+                    params[1].grad[-1] = float("inf")
+                if step >= 2 and isinstance(scaler, GradScaler):
+                    before = counts["plan_unscale"]
+                    with _Ops() as mode:
+                        scaler.unscale_(opt)
+                    issued.append((sum(mode.ops.values()), counts["plan_unscale"] - before))
+                scaler.step(opt)
+                scaler.update()
+        return scaler.get_scale(), [p.detach().clone() for p in params]
+
+    assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
+    assert issued == [(0, 1), (0, 0)], issued  # planned again once, under the mode
