@@ -163,6 +163,42 @@ def test_grads_at_new_addresses_launch_directly(cuda, monkeypatch):
     launcher.clear()
 
 
+@pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
+def test_scaler_grads_at_new_addresses_every_step_cuda(cuda):
+    """A scaler whose grads lie at new addresses every step (views into one buffer, shifted
+    and in another order, NaN between them; one turned transposed at step 3): each step
+    planned against the last planned layout, its table uploaded anew; every step as torch's
+    scaler, with an inf planted at step 4."""
+    def run(scaler):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape, device=cuda))
+                  for shape in ((7,), (200, 150), (4099,))]
+        opt = torch.optim.SGD(params, lr=0.1)
+        memory = torch.empty(80_000, device=cuda)
+        for step in range(6):
+            memory.fill_(math.nan)
+            at = 16 * step + 4
+            for i in ((0, 1, 2) if step % 2 else (2, 0, 1)):
+                p = params[i]
+                grad = memory[at:at + p.numel()]
+                grad = grad.view(150, 200).t() if p.dim() == 2 and step >= 3 else \
+                    grad.view(p.shape)
+                p.grad = grad.zero_()
+                at += p.numel() + 36
+            scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(params))
+                         ).backward()
+            if step == 4:
+                params[1].grad[-1, -1] = math.inf
+            scaler.step(opt)
+            scaler.update()
+        return scaler.get_scale(), [p.detach().clone() for p in params]
+
+    expected = run(torch.amp.GradScaler("cuda", init_scale=8.0, growth_interval=1))
+    actual = run(GradScaler("cuda", init_scale=8.0, growth_interval=1, backend="triton"))
+    assert actual[0] == expected[0]
+    assert_all_same(actual[1], expected[1])
+
+
 def test_fused_route_never_synchronises(cuda):
     model = torch.nn.Linear(64, 64).to(cuda)
     opt = torch.optim.AdamW(model.parameters(), fused=True)
