@@ -195,8 +195,8 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
     size = first.element_size()
     rel, owner, offset, length, overlapping = _rows(addresses, numels, block, size)
     if overlapping and len(set(addresses)) < len(addresses):  # aliases: each covered once
-        rel, owner, offset, length, overlapping = _rows(*_unique_starts(addresses, numels),
-                                                        block, size)
+        unique, longest = _unique_starts(addresses, numels)
+        rel, owner, offset, length, overlapping = _rows(unique, longest, block, size)
     table = torch.stack([rel[owner].add_(offset), length], 1)
     return _plan_store.keep(key, (upload(table, first.device), overlapping))
 
@@ -325,11 +325,11 @@ def _copied_grad_shares_memory(grads: list[torch.Tensor], copied: list[torch.Ten
     return False
 
 
-def _unique_starts(addresses: tuple[int, ...], numels: tuple[int, ...]):
+def _unique_starts(addresses: tuple[int, ...], numels: tuple[int, ...]
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Drop grads that start at the address of an earlier one (``p2.grad = p1.grad``): each
-    memory location is unscaled once. Non-empty grads only (the caller drops empty ones)."""
-    if len(set(addresses)) == len(addresses):
-        return addresses, numels
+    memory location is unscaled once, as far as the longest of them reaches. Non-empty grads
+    only (the caller drops empty ones)."""
     seen: dict[int, int] = {}
     for address, n in zip(addresses, numels):
         seen[address] = max(n, seen.get(address, 0))
