@@ -6,9 +6,8 @@ The scaler's calls are written once and run both eagerly and traced. Only the se
 dispatching device work (:mod:`triton_scaler._dispatch`), making the device state
 (:meth:`triton_scaler._state.ScalerState._init_device_state`) and a watch's host records
 (:mod:`triton_scaler.telemetry`: kept passes and row indices, which traced code makes
-afresh). Host work that must not be
-traced (an optimizer's own step with attributes set on it, a host read, bookkeeping of
-gradient buckets) runs in an :func:`eager_frame`.
+afresh). Host work that must not be traced (an optimizer's own step with attributes set on
+it, a host read, bookkeeping of gradient buckets) runs in an :func:`eager_frame`.
 """
 
 from __future__ import annotations
