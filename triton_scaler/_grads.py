@@ -88,11 +88,12 @@ class GradGroup:
         # one grad is the bucket's buffer): its parameters, indices set while each got a grad
         self.params, self.indices, self.bucket = params, indices, bucket
 
-    def launch_target(self) -> UnscalePlan:
+    def launch_target(self, contiguous: bool | None = None) -> UnscalePlan:
         """What :func:`triton_scaler.kernels.launch_unscale` takes for this group: the plan,
-        built now when not known yet (Triton backend only)."""
+        built now when not known yet (Triton backend only; ``contiguous``: whether every
+        grad is, when the caller knows)."""
         if self.plan is None:
-            self.plan = _plans.plan_unscale(self.grads, self.numels, self.addresses)
+            self.plan = _plans.plan_unscale(self.grads, self.numels, self.addresses, contiguous)
         return self.plan
 
 
@@ -333,8 +334,7 @@ def _groups_planned(layout: _Layout, key: tuple, grads: list[torch.Tensor],
         group = GradGroup(device, members, tuple(pick(numels)), tuple(pick(addresses)),
                           params=params, indices=indices)
         if resolve_backend(backend, device) == "triton":
-            plan = group.plan = _plans.plan_unscale(members, group.numels, group.addresses,
-                                                    contiguous)
+            plan = group.launch_target(contiguous)
             launches.append((indices[plan.base_index], plan.template()) if plan.reusable
                             else None)
         else:  # the reference path plans nothing: kept are the checks above

@@ -223,7 +223,7 @@ def finish_table(grid: int, tensors: list[tuple[int, int, int]], device: torch.d
     """How a watched launch of ``grid`` programs finishes its watched tensors (``tensors``:
     each one's programs ``[begin, end)``, non-empty, and its row), as the unscale kernel's
     ``finish_ptr`` reads it: each program's tensor (``-1``: none), then per tensor ``(begin,
-    end, row, first group, tensor count)``, its programs in groups of
+    end, row, first group, own counter)``, its programs in groups of
     :data:`triton_scaler.kernels.stats.GROUP`. Returns the table on ``device``
     (:func:`upload`) and the number of groups: the launch's statistics take ``grid +
     groups`` rows, its counts ``groups + len(tensors)``."""
