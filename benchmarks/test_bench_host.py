@@ -48,14 +48,15 @@ def test_host_cost(benchmark, n_params, impl, flags, host_layout):
 
 def test_dense_new_memory_misses_every_step(monkeypatch):
     """``dense`` new memory is new to triton_scaler's caches every step, its chunk table too
-    (its rows made by ``_rows`` on a miss only), also once the shifts come round."""
+    (its shared-memory check made by ``_shares_memory`` on a miss only), also once the
+    shifts come round."""
     from _host_cost import _SHIFTS
 
     from triton_scaler import _plans as plan
 
     built = []
-    rows = plan._rows
-    monkeypatch.setattr(plan, "_rows", lambda *args: built.append(1) or rows(*args))
+    check = plan._shares_memory
+    monkeypatch.setattr(plan, "_shares_memory", lambda *args: built.append(1) or check(*args))
     with noop_launches():
         prepare, step = make_step("ours", 10, grads="new_memory", host_layout="dense")
         for _ in range(_SHIFTS + 5):

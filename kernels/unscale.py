@@ -4,8 +4,10 @@ One kernel, specialised by constexpr flags:
 
 * ``USE_TABLE=False``: program ``p`` covers elements ``[p * BLOCK, (p + 1) * BLOCK)`` of one
   contiguous buffer (a gradient bucket or a single large gradient).
-* ``USE_TABLE=True``: program ``p`` reads row ``p`` of a chunk table, ``(start, length)`` in
-  elements relative to the base pointer, so any number of same-dtype tensors share one launch.
+* ``USE_TABLE=True``: program ``p`` reads row ``p`` of a chunk table, ``(grad, offset,
+  length)``, and that grad's byte address from a list of starts (the base grad's first), so
+  any number of same-dtype tensors share one launch. The table depends on the grads' sizes
+  alone; grads at new addresses need only new starts.
 * ``WRITE=False``: check only (read, no write), for optimizers that unscale inside their own
   kernel.
 * ``FP64=True``: float64 grads, multiplied in float64 (``double(g) * double(inv_scale)``, as
@@ -147,7 +149,8 @@ def _block_pass(ptrs, mask, inv, coef, stats_ptr, HAS_MASK: tl.constexpr, WRITE:
 @triton.jit
 def unscale_kernel(
     grad_ptr,  # *Pointer* to the first gradient element (a bucket's, or the table's base grad)
-    table_ptr,  # *Pointer* to the int64 chunk table, rows (start, length) in elements from grad_ptr
+    table_ptr,  # *Pointer* to the int64 chunk table, rows (grad, offset, length), in elements
+    starts_ptr,  # *Pointer* to the int64 byte address of each grad of the table, grad_ptr's first
     inv_scale_ptr,  # *Pointer* to the fp32 multiplier, or to the scale (INV_FROM_SCALE)
     found_inf_ptr,  # *Pointer* to the fp32 overflow flag: set to 1.0, never cleared
     coef_ptr,  # *Pointer* to the fp32 clip coefficient (CLIP)
@@ -172,8 +175,11 @@ def unscale_kernel(
     pid = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, BLOCK)
     if USE_TABLE:
-        start = tl.load(table_ptr + 2 * pid)
-        length = tl.load(table_ptr + 2 * pid + 1)
+        row = table_ptr + 3 * pid
+        # exact: grads of one dtype lie a whole number of elements apart (16 // VEC bytes)
+        start = (tl.load(starts_ptr + tl.load(row)) - tl.load(starts_ptr)) // (16 // VEC) + \
+            tl.load(row + 1)
+        length = tl.load(row + 2)
     else:
         start = pid * BLOCK
         length = n_elements - start
@@ -214,9 +220,9 @@ def block() -> int:
     return INTERPRETER_BLOCK if _INTERPRETED else GPU_BLOCK
 
 
-#: Chunk tables that a captured CUDA graph reads: a graph keeps raw addresses, so these live
+#: Chunk tables and their starts that a captured CUDA graph reads: a graph keeps raw addresses, so these live
 #: as long as the process, whatever planning's store drops.
-_tables_for_graphs: dict[int, torch.Tensor] = {}
+_tables_for_graphs: dict[tuple[int, int], tuple] = {}
 
 
 def launch_unscale(
@@ -278,13 +284,13 @@ def launch_unscale(
     fp64 = base.dtype == torch.float64
     partials = found_inf.new_empty(plan.grid, dtype=_partial_dtype(fp64)) if norm else found_inf
     if plan.table is not None and base.is_cuda and torch.cuda.is_current_stream_capturing():
-        _tables_for_graphs[id(plan.table)] = plan.table
+        _tables_for_graphs[id(plan.table), id(plan.starts)] = (plan.table, plan.starts)
     interpreting = _INTERPRETED
     # bf16 goes to the interpreter as its int16 bits (the interpreter's bf16 casts are inexact)
     bf16_bits = interpreting and base.dtype == torch.bfloat16
     launch(unscale_kernel, plan.grid, (
         base.view(torch.int16) if bf16_bits else base,
-        found_inf if plan.table is None else plan.table,
+        *((found_inf, found_inf) if plan.table is None else (plan.table, plan.starts)),
         inv_scale, found_inf, found_inf if clip_coef is None else clip_coef, partials,
         *((found_inf,) * 4 if stats is None else stats),
     ), (plan.n,), dict(

@@ -132,7 +132,7 @@ def _sass_facts(cubin: bytes) -> list[str]:
 
 
 def _unscale_signature(dtype):
-    return {"grad_ptr": f"*{dtype}", "table_ptr": "*i64",
+    return {"grad_ptr": f"*{dtype}", "table_ptr": "*i64", "starts_ptr": "*i64",
             "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "coef_ptr": "*fp32",
             "partial_ptr": "*fp32" if dtype != "fp64" else "*fp64", "stats_ptr": "*fp64",
             "finish_ptr": "*i64", "counters_ptr": "*i32", "rows_ptr": "*fp64",

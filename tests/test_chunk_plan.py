@@ -38,6 +38,18 @@ def _expected_rows(grads: list[torch.Tensor], block: int) -> list[list[int]]:
     return rows
 
 
+def _resolved(table: torch.Tensor, starts: torch.Tensor, size: int) -> list[list[int]]:
+    """The rows as the kernel reads them: each chunk's start (elements from the first
+    grad's) and length, from the table's ``(grad, offset, length)`` rows and the starts."""
+    at = starts.tolist()
+    return [[(at[g] - at[0]) // size + offset, length] for g, offset, length in table.tolist()]
+
+
+def _rows_of(p) -> list[list[int]]:
+    """A plan's rows as the kernel reads them (:func:`_resolved`)."""
+    return _resolved(p.table, p.starts, p.base.element_size())
+
+
 def _views(buffer: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
     return [buffer[start:start + n] for start, n in spans]
 
@@ -51,42 +63,42 @@ SPANS = [(40, BLOCK - 1), (0, BLOCK), (5, BLOCK + 1), (11, 1), (13, 3 * BLOCK + 
 def test_the_rows_are_every_grads_chunks(dtype):
     grads = _views(torch.zeros(64, dtype=dtype), SPANS)
     numels = tuple(n for _, n in SPANS)
-    table, overlapping = plan.chunk_table(grads, numels, BLOCK)
-    assert table.dtype == torch.int64 and table.shape == (1 + 1 + 2 + 1 + 4, 2)
-    assert table.tolist() == _expected_rows(grads, BLOCK)
+    table, starts, overlapping = plan.chunk_table(grads, numels, BLOCK)
+    assert table.dtype == starts.dtype == torch.int64
+    assert table.shape == (1 + 1 + 2 + 1 + 4, 3) and starts.shape == (5,)
+    assert _resolved(table, starts, grads[0].element_size()) == _expected_rows(grads, BLOCK)
     assert overlapping is False
 
 
-def test_a_repeated_layout_gets_the_same_table_and_new_addresses_the_same_pattern():
-    """The same addresses: the table itself, not one built anew. Other addresses, the same
-    sizes: a new table from the same size pattern (``_chunks``), with the new starts."""
+def test_a_repeated_layout_gets_the_same_table_and_new_addresses_the_same_rows():
+    """The same addresses: the same table and starts, not built anew. Other addresses, the
+    same sizes: new starts over the same rows (the size pattern's), which resolve to the
+    moved grads' chunks."""
     buffer = torch.zeros(128)
     grads = _views(buffer, SPANS)
     numels = tuple(n for _, n in SPANS)
-    table, _ = plan.chunk_table(grads, numels, BLOCK)
-    assert plan.chunk_table(grads, numels, BLOCK)[0] is table
-    assert plan.chunk_table(grads, numels, BLOCK, tuple(g.data_ptr() for g in grads))[0] is table
-    pattern = plan._chunks(numels, BLOCK)
-    assert plan._chunks(numels, BLOCK) is pattern
+    table, starts, _ = plan.chunk_table(grads, numels, BLOCK)
+    again = plan.chunk_table(grads, numels, BLOCK, tuple(g.data_ptr() for g in grads))
+    assert again[0] is table and again[1] is starts
     moved = _views(buffer, [(start + 64, n) for start, n in SPANS])
-    other, _ = plan.chunk_table(moved, numels, BLOCK)
-    assert other is not table and other.tolist() == _expected_rows(moved, BLOCK)
-    assert plan._chunks(numels, BLOCK) is pattern
+    rows, other, _ = plan.chunk_table(moved, numels, BLOCK)
+    assert rows is table and other is not starts
+    assert _resolved(rows, other, 4) == _expected_rows(moved, BLOCK)
 
 
 def test_grads_at_one_address_are_chunked_once_at_the_larger_size():
     buffer = torch.zeros(32)
     grads = [buffer[:3], buffer[10:12], buffer[:7], buffer[10:11]]
-    table, overlapping = plan.chunk_table(grads, (3, 2, 7, 1), BLOCK)
-    assert table.tolist() == _expected_rows([buffer[:7], buffer[10:12]], BLOCK)
+    table, starts, overlapping = plan.chunk_table(grads, (3, 2, 7, 1), BLOCK)
+    assert _resolved(table, starts, 4) == _expected_rows([buffer[:7], buffer[10:12]], BLOCK)
     assert overlapping is False
 
 
 def test_grads_sharing_part_of_their_memory_are_flagged():
     buffer = torch.zeros(32)
-    _, overlapping = plan.chunk_table([buffer[:8], buffer[7:9]], (8, 2), BLOCK)
+    *_, overlapping = plan.chunk_table([buffer[:8], buffer[7:9]], (8, 2), BLOCK)
     assert overlapping is True
-    _, overlapping = plan.chunk_table([buffer[:8], buffer[8:10]], (8, 2), BLOCK)
+    *_, overlapping = plan.chunk_table([buffer[:8], buffer[8:10]], (8, 2), BLOCK)
     assert overlapping is False
 
 
@@ -120,7 +132,8 @@ def test_sharing_is_found_in_any_order_among_few_or_many_grads(n_grads, order, s
         perm = list(range(n_grads))[::-1] if order == "descending" else \
             torch.randperm(n_grads, generator=gen).tolist()
         grads = [grads[i] for i in perm]
-    table, overlapping = plan.chunk_table(grads, tuple(g.numel() for g in grads), BLOCK)
+    table, starts, overlapping = plan.chunk_table(grads, tuple(g.numel() for g in grads),
+                                                  BLOCK)
     assert overlapping is (shared == "inside")
     if shared == "alias":  # each address once, with its longest grad, in order of first seen
         longest: dict[int, torch.Tensor] = {}
@@ -128,7 +141,7 @@ def test_sharing_is_found_in_any_order_among_few_or_many_grads(n_grads, order, s
             if g.data_ptr() not in longest or g.numel() > longest[g.data_ptr()].numel():
                 longest[g.data_ptr()] = g
         grads = list(longest.values())
-    assert table.tolist() == _expected_rows(grads, BLOCK)
+    assert _resolved(table, starts, 4) == _expected_rows(grads, BLOCK)
 
 
 def test_a_single_grad_is_one_flat_launch():
@@ -146,7 +159,7 @@ def test_empty_grads_are_left_out_and_the_base_is_the_first_non_empty():
     grads = [empty, empty, buffer[5:10], empty, buffer[20:29]]
     many = plan.build_plan(grads, None, None, BLOCK)
     assert many.base_index == 2 and many.base.data_ptr() == buffer[5:].data_ptr()
-    assert many.table.tolist() == _expected_rows([buffer[5:10], buffer[20:29]], BLOCK)
+    assert _rows_of(many) == _expected_rows([buffer[5:10], buffer[20:29]], BLOCK)
     assert many.grid == many.table.shape[0] == 2 + 3 and many.n == 0
     none = plan.build_plan([empty, empty], None, None, BLOCK)
     assert (none.base, none.table, none.n, none.grid) == (None, None, 0, 0)
@@ -159,7 +172,7 @@ def test_dense_non_contiguous_grads_need_no_copy_and_gapped_ones_do():
     transposed = torch.zeros(3, 5).t()
     dense = plan.build_plan([channels_last, transposed], None, None, BLOCK)
     assert not dense.contiguous and dense.copies == [] and dense.reusable
-    assert dense.table.tolist() == _expected_rows(
+    assert _rows_of(dense) == _expected_rows(
         [channels_last.as_strided((24,), (1,)), transposed.as_strided((15,), (1,))], BLOCK)
     gapped = torch.zeros(4, 6)[:, :3]
     copied = plan.build_plan([channels_last, gapped], None, None, BLOCK)

@@ -297,6 +297,41 @@ def test_cuda_graph_capture_and_replay(cuda, buckets, unscale_first):
     assert all(bool((j == -1).all()) for j in junk)  # the replays wrote nothing there
 
 
+def test_sizes_first_planned_in_a_capture_are_planned_again_outside_it(cuda):
+    """A chunk table's rows first uploaded while a CUDA graph captures are written when the
+    graph replays: an eager call over grads of the same sizes at other addresses before any
+    replay (an inf planted in its last grad) matches torch's op, and the replay then
+    unscales the captured grads."""
+    from triton_scaler import _plan_store
+
+    _plan_store.clear()
+    sizes = [4097, 3, 5000]
+    inv = torch.full((), 0.5, device=cuda)
+    warm = [torch.ones(n, device=cuda) for n in (7, 9)]  # compiles the table launch
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.non_finite_check_and_unscale_(warm, torch.zeros((), device=cuda), inv,
+                                          backend="triton")
+    torch.cuda.current_stream().wait_stream(stream)
+    captured = [torch.full((n,), 2.0, device=cuda) for n in sizes]
+    found = torch.zeros((), device=cuda)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.non_finite_check_and_unscale_(captured, found, inv, backend="triton")
+    eager = _grads(sizes, torch.float32, cuda, seed=3)
+    eager[-1][-1] = math.inf
+    expected = [g.clone() for g in eager]
+    expected_found = torch.zeros((), device=cuda)
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, expected_found, inv)
+    eager_found = torch.zeros((), device=cuda)
+    ops.non_finite_check_and_unscale_(eager, eager_found, inv, backend="triton")
+    assert_all_same(eager, expected)
+    assert_same(eager_found, expected_found)
+    graph.replay()
+    assert all(bool((g == 1.0).all()) for g in captured) and found.item() == 0.0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 @pytest.mark.parametrize("sizes", [[1_000_003], [7, 1, 4097, 300, 65536]])

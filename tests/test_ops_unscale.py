@@ -240,7 +240,7 @@ def test_repeated_calls_plan_once(triton_device, no_kept_plans, monkeypatch):
 
 @pytest.mark.parametrize("special", SPECIALS)
 def test_grads_at_new_addresses_with_known_sizes(triton_device, special, no_kept_plans):
-    """A new table from the kept size pattern (triton_scaler/_plans.py ``_chunks``): the same sizes
+    """New starts over the kept size pattern's rows (triton_scaler/_plans.py ``_pattern``): the same sizes
     at other addresses, in another address order (the first grad now above the others), with
     a non-finite value planted at the last element of the last grad, match torch's op."""
     sizes = [7, 3 * BLOCK + 5, 1, BLOCK - 1, 300]

@@ -88,13 +88,13 @@ def test_the_store_compares_keys_and_never_hashes_them(monkeypatch):
 def test_a_chunk_table_evicted_between_lookup_and_use(monkeypatch, triton_device):
     grads = [torch.ones(n, device=triton_device) for n in (5, 4099, 1)]
     numels = tuple(g.numel() for g in grads)
-    table, _ = _plans.chunk_table(grads, numels, 4096)
+    table, starts, _ = _plans.chunk_table(grads, numels, 4096)
     for kind in ("table", "sizes"):
         monkeypatch.setitem(_plan_store._entries, kind,
                             _EmptiedAfterCopy(_plan_store._entries[kind]))
-    assert _plans.chunk_table(grads, numels, 4096)[0] is table  # the kept one, then evicted
-    again, _ = _plans.chunk_table(grads, numels, 4096)  # built anew: patterns and table
-    assert torch.equal(again, table)
+    assert _plans.chunk_table(grads, numels, 4096)[1] is starts  # the kept one, then evicted
+    again, again_starts, _ = _plans.chunk_table(grads, numels, 4096)  # built anew: all of it
+    assert torch.equal(again, table) and torch.equal(again_starts, starts)
 
 
 def test_kept_ops_plans_evicted_between_lookup_and_launch(monkeypatch, triton_device):

@@ -21,8 +21,11 @@ class UnscalePlan:
             ``base_index``-th non-empty grad, or its flat view); None for a plan without
             elements or a template.
         base_index: that grad's index among the grads the plan was built for.
-        table: the int64 ``[grid, 2]`` chunk table, rows ``(start, length)`` in elements from
-            ``base``; None for the flat launch over ``n`` elements of ``base``.
+        table: the int64 ``[grid, 3]`` chunk table, rows ``(grad, offset, length)`` in
+            elements, the grad an index into ``starts``; None for the flat launch over ``n``
+            elements of ``base``. It depends on the grads' sizes alone.
+        starts: with a table, the int64 byte address of each of its grads, ``base``'s first
+            (on the grads' device).
         n: elements of the flat launch (0 with a table).
         grid: programs launched (0: no elements, nothing launched).
         copies: ``(grad, contiguous copy)`` pairs of gapped grads, launched over as copies
@@ -35,14 +38,15 @@ class UnscalePlan:
             (no copies, no shared memory).
     """
 
-    __slots__ = ("base", "base_index", "table", "n", "grid", "copies", "contiguous",
+    __slots__ = ("base", "base_index", "table", "starts", "n", "grid", "copies", "contiguous",
                  "overlapping", "fp64", "refusal", "reusable")
 
     def __init__(self, base: torch.Tensor | None, base_index: int, table: torch.Tensor | None,
                  n: int, grid: int, copies: list, contiguous: bool, *,
-                 overlapping: bool = False, fp64: bool = False,
-                 refusal: str | None = None) -> None:
+                 starts: torch.Tensor | None = None, overlapping: bool = False,
+                 fp64: bool = False, refusal: str | None = None) -> None:
         self.base, self.base_index, self.table, self.n = base, base_index, table, n
+        self.starts = starts
         self.grid, self.copies, self.contiguous = grid, copies, contiguous
         self.overlapping, self.fp64, self.refusal = overlapping, fp64, refusal
         self.reusable = not copies and not overlapping
@@ -56,4 +60,4 @@ class UnscalePlan:
         grads it was made for, whose ``base_index``-th grad is ``base`` (None for a plan
         without elements)."""
         return UnscalePlan(base if self.grid else None, self.base_index, self.table, self.n,
-                           self.grid, [], self.contiguous, fp64=self.fp64)
+                           self.grid, [], self.contiguous, starts=self.starts, fp64=self.fp64)

@@ -3,8 +3,10 @@ again when the same grads (or new grads the allocator puts at the same blocks) c
 
 A key is a tuple whose first item names what it keeps:
 
-* ``("sizes", numels, block)``: a chunk table's part that depends on the sizes alone;
-* ``("table", device, dtype, block, addresses, numels)``: a chunk table, uploaded;
+* ``("sizes", numels, block)``: a chunk table's rows, which depend on the sizes alone
+  (uploaded once per device);
+* ``("table", device, dtype, block, addresses, numels)``: a chunk table's rows with the
+  grads' starts, uploaded;
 * ``("ops", device, addresses)``: :mod:`.ops`' launches over a grad list;
 * ``("grads", backend, addresses)``: :class:`GradScaler`'s launches over an optimizer's grads
   outside gradient buckets, one per (device, dtype) group.

@@ -3,9 +3,9 @@ chunks, and which plans are kept for grads that come back to the same addresses.
 
 * :func:`plan_unscale`: one launch's :class:`UnscalePlan` (the base tensor, the chunk table
   or flat size, the grid, the contiguous copies non-dense grads need, a write's refusal);
-* :func:`chunk_table`: the ``(start, length)`` rows of a many-tensor launch, kept in the
-  store (:mod:`._plan_store`) by the tensors' addresses and sizes, and for good once a CUDA
-  graph has captured their upload;
+* :func:`chunk_table`: the ``(grad, offset, length)`` rows of a many-tensor launch (made
+  per size pattern) and the grads' starts, kept in the store (:mod:`._plan_store`) by the
+  tensors' addresses and sizes, and for good once a CUDA graph has captured their upload;
 * :func:`ops_plans`: the plans of :mod:`.ops`' calls, kept in the store per grad list;
   :mod:`._grads` keeps :class:`GradScaler`'s there the same way.
 
@@ -14,7 +14,6 @@ The kernels (``triton_scaler.kernels``) only launch plans; no Triton code here.
 
 from __future__ import annotations
 
-import itertools
 import operator
 from array import array
 from collections.abc import Callable, Iterable, Sequence
@@ -76,11 +75,11 @@ def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
     if len(dense) == 1:
         return UnscalePlan(dense[0], base_index, None, numels[0], -(-numels[0] // block),
                            copies, contiguous, fp64=fp64, refusal=refusal)
-    table, overlapping = chunk_table(dense, numels, block, addresses)
+    table, starts, overlapping = chunk_table(dense, numels, block, addresses)
     overlapping = overlapping or bool(copies) and \
         _copied_grad_shares_memory(grads, [g for g, _ in copies])
     return UnscalePlan(dense[0], base_index, table, 0, table.shape[0], copies, contiguous,
-                       overlapping=overlapping, fp64=fp64,
+                       starts=starts, overlapping=overlapping, fp64=fp64,
                        refusal=_SHARED if overlapping else refusal)
 
 
@@ -173,17 +172,20 @@ def _index_in(grads: list[torch.Tensor], members: list[torch.Tensor], index: int
 
 
 def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
-                addresses: tuple[int, ...] | None = None) -> tuple[torch.Tensor, bool]:
+                addresses: tuple[int, ...] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The chunk table of contiguous, non-empty, same-dtype ``grads`` on one device, whose
-    sizes are ``numels``: an int64 ``[n_chunks, 2]`` device tensor of ``(start, length)`` rows,
-    start in elements from ``grads[0]``. Every chunk but a tensor's last is ``block`` long.
-    Also whether two grads share part of their memory (one starts inside another; grads that
-    start at the same address count once): their chunks would overlap.
+    sizes are ``numels``: an int64 ``[n_chunks, 3]`` device tensor of ``(grad, offset,
+    length)`` rows, made once per size pattern (:func:`_pattern`), and the grads' int64 byte
+    addresses (the starts the kernel reads each row's grad from), ``grads[0]``'s first. Every
+    chunk but a grad's last is ``block`` long. Also whether two grads share part of their
+    memory (one starts inside another; grads that start at the same address count once,
+    the starts and rows then over each address once): their chunks would overlap.
 
-    Kept in the store on the grads' addresses and sizes, so a training loop whose grads keep
-    their storage builds it once; a hit costs one pass over the grads' addresses. Grads at
-    new addresses with sizes seen before (:func:`_chunks`) cost six small ops, and the
-    shared-memory check Python passes or five more ops (:func:`_rows`).
+    Kept in the store on the grads' addresses and sizes: a hit costs one pass over the
+    addresses. Grads at new addresses with sizes seen before cost their addresses' array,
+    uploaded, and the shared-memory check (:func:`_shares_memory`): no tensor op on the CPU
+    for up to :data:`_FEW` grads in ascending address order.
     """
     first = grads[0]
     if addresses is None:
@@ -193,29 +195,29 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
     if entry is not None:
         return entry
     size = first.element_size()
-    rel, owner, offset, length, overlapping = _rows(addresses, numels, block, size)
+    pattern = _pattern(numels, block)
+    starts = torch.frombuffer(array("q", addresses), dtype=torch.int64)
+    overlapping = _shares_memory(addresses, starts, pattern, size)
     if overlapping and len(set(addresses)) < len(addresses):  # aliases: each covered once
-        unique, longest = _unique_starts(addresses, numels)
-        rel, owner, offset, length, overlapping = _rows(unique, longest, block, size)
-    table = torch.stack([rel[owner].add_(offset), length], 1)
-    return _plan_store.keep(key, (upload(table, first.device), overlapping))
+        addresses, numels = _unique_starts(addresses, numels)
+        pattern = _pattern(numels, block)
+        starts = torch.frombuffer(array("q", addresses), dtype=torch.int64)
+        overlapping = _shares_memory(addresses, starts, pattern, size)
+    return _plan_store.keep(key, (pattern.rows_on(first.device), upload(starts, first.device),
+                                  overlapping))
 
 
-def _rows(addresses: tuple[int, ...], numels: tuple[int, ...], block: int, size: int
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """What a chunk table is made of, for grads of ``size``-byte elements at ``addresses``:
-    their starts in elements from the first (CPU int64), each chunk's grad, offset and length
-    (:func:`_chunks`), and whether two grads' ranges overlap (grads that start at one address
+def _shares_memory(addresses: tuple[int, ...], starts: torch.Tensor, pattern: _Pattern,
+                   size: int) -> bool:
+    """Whether two ranges of the grads of ``pattern`` (``size``-byte elements) at
+    ``addresses`` (also as the CPU int64 ``starts``) overlap (two that start at one address
     included: the caller drops such aliases first). Up to :data:`_FEW` grads in ascending
     order, each ending before the next starts (an allocator's usual order), are shown apart
     by Python passes; others by :func:`_ranges_overlap`."""
-    rel = torch.frombuffer(array("q", addresses), dtype=torch.int64).sub_(addresses[0])
-    rel = rel.div_(size, rounding_mode="floor")
-    owner, offset, length, sizes = _chunks(numels, block)
-    if len(addresses) <= _FEW and all(map(operator.le, map(operator.add, addresses, map(
-            operator.mul, numels, itertools.repeat(size))), addresses[1:])):
-        return rel, owner, offset, length, False
-    return rel, owner, offset, length, _ranges_overlap(rel, sizes)
+    if len(addresses) <= _FEW and all(map(operator.le, map(
+            operator.add, addresses, pattern.extents(size)), addresses[1:])):
+        return False
+    return _ranges_overlap(starts, pattern.sizes, size)
 
 
 def finish_table(grid: int, tensors: list[tuple[int, int, int]], device: torch.device
@@ -256,6 +258,8 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CPU tensor of planning (a chunk table, a watch's program ranges) on ``device``: on
     CUDA through pinned memory and ``non_blocking``, so the upload does not wait for the
     stream (a pageable copy would). No host sync."""
+    if device.type == "cpu":
+        return host
     if device.type != "cuda":
         return host.to(device)
     pinned = host.pin_memory()
@@ -269,35 +273,65 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 _pinned_for_graphs: dict[int, torch.Tensor] = {}
 
 
-def _ranges_overlap(starts: torch.Tensor, lengths: torch.Tensor) -> bool:
-    """Whether two of the ranges ``[start, start + length)`` (CPU int64, non-empty; two
-    with one start overlap) overlap: some range, in the order of their starts, ends after
-    the next one starts. CPU tensors, answered by ``torch.equal`` (no device sync, no
+def _ranges_overlap(starts: torch.Tensor, lengths: torch.Tensor, size: int = 1) -> bool:
+    """Whether two of the ranges ``[start, start + size * length)`` (CPU int64, non-empty;
+    two with one start overlap) overlap: some range, in the order of their starts, ends
+    after the next one starts. CPU tensors, answered by ``torch.equal`` (no device sync, no
     tensor read on the host)."""
     if starts.numel() < 2:
         return False
     starts, order = starts.sort()
-    ends = lengths[order].add_(starts)[:-1]
+    ends = lengths[order].mul_(size).add_(starts)[:-1]
     return not torch.equal(torch.minimum(ends, starts[1:]), ends)
 
 
-def _chunks(numels: tuple[int, ...], block: int) -> tuple[torch.Tensor, ...]:
-    """The part of a chunk table that depends on the sizes alone, per chunk: its tensor's
-    index, its offset in that tensor and its length; and the sizes (CPU int64). Kept in the
-    store on the sizes, so grads at new addresses with the sizes
-    of earlier ones (a training step whose allocator handed out other blocks) only add their
-    tensors' offsets: six small ops (and the shared-memory check's five)."""
+class _Pattern:
+    """The part of a chunk table that depends on the sizes alone: per chunk its grad's index,
+    its offset in that grad and its length (CPU int64 ``[n_chunks, 3]``), uploaded once per
+    device; and the sizes (CPU int64; in bytes per element size, a tuple)."""
+
+    __slots__ = ("rows", "sizes", "numels", "uploaded", "bytes")
+
+    def __init__(self, numels: tuple[int, ...], block: int) -> None:
+        sizes = torch.tensor(numels, dtype=torch.int64, device="cpu")
+        n_chunks = (sizes + block - 1) // block
+        owner = torch.repeat_interleave(torch.arange(len(numels), device="cpu"), n_chunks)
+        first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
+        offset = (torch.arange(owner.numel(), device="cpu") - first_chunk[owner]) * block
+        self.rows = torch.stack([owner, offset, torch.clamp(sizes[owner] - offset, max=block)],
+                                1)
+        self.sizes, self.numels = sizes, numels
+        self.uploaded: dict[torch.device, torch.Tensor] = {}
+        self.bytes: dict[int, tuple[int, ...]] = {}
+
+    def rows_on(self, device: torch.device) -> torch.Tensor:
+        """The rows on ``device``, uploaded at the first call there (:func:`upload`). An
+        upload that a CUDA graph captures is not kept: it runs when the graph replays, and
+        a launch outside the graph before that must not read it."""
+        rows = self.uploaded.get(device)
+        if rows is None:
+            rows = upload(self.rows, device)
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self.uploaded[device] = rows
+        return rows
+
+    def extents(self, size: int) -> tuple[int, ...]:
+        """The grads' sizes in bytes, for elements of ``size`` bytes."""
+        extents = self.bytes.get(size)
+        if extents is None:
+            extents = self.bytes[size] = tuple(n * size for n in self.numels)
+        return extents
+
+
+def _pattern(numels: tuple[int, ...], block: int) -> _Pattern:
+    """The :class:`_Pattern` of grads of ``numels`` in chunks of ``block``, kept in the store
+    on the sizes: grads at new addresses with the sizes of earlier ones (a training step
+    whose allocator handed out other blocks) reuse it."""
     key = ("sizes", numels, block)
-    chunks = _plan_store.lookup(key)
-    if chunks is not None:
-        return chunks
-    sizes = torch.tensor(numels, dtype=torch.int64, device="cpu")
-    n_chunks = (sizes + block - 1) // block
-    owner = torch.repeat_interleave(torch.arange(len(numels), device="cpu"), n_chunks)
-    first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
-    offset = (torch.arange(owner.numel(), device="cpu") - first_chunk[owner]) * block
-    return _plan_store.keep(key, (owner, offset, torch.clamp(sizes[owner] - offset, max=block),
-                                  sizes))
+    pattern = _plan_store.lookup(key)
+    if pattern is None:
+        pattern = _plan_store.keep(key, _Pattern(numels, block))
+    return pattern
 
 
 def _flat_memory(t: torch.Tensor) -> torch.Tensor | None:
