@@ -220,8 +220,8 @@ def block() -> int:
     return INTERPRETER_BLOCK if _INTERPRETED else GPU_BLOCK
 
 
-#: Chunk tables and their starts that a captured CUDA graph reads: a graph keeps raw addresses, so these live
-#: as long as the process, whatever planning's store drops.
+#: Chunk tables and their starts that a captured CUDA graph reads: a graph keeps raw
+#: addresses, so these live as long as the process, whatever planning's store drops.
 _tables_for_graphs: dict[tuple[int, int], tuple] = {}
 
 

@@ -256,8 +256,8 @@ def finish_buffers(grid: int, table: torch.Tensor, groups: int, tensors: int,
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CPU tensor of planning (a chunk table, a watch's program ranges) on ``device``: on
-    CUDA through pinned memory and ``non_blocking``, so the upload does not wait for the
-    stream (a pageable copy would). No host sync."""
+    the CPU the tensor itself; on CUDA through pinned memory and ``non_blocking``, so the
+    upload does not wait for the stream (a pageable copy would). No host sync."""
     if device.type == "cpu":
         return host
     if device.type != "cuda":
