@@ -88,8 +88,8 @@ def launch(kernel, grid: int, tensors: tuple, scalars: tuple, constexprs: dict,
         if cache is None:
             _check_order(kernel, len(tensors) + len(scalars), constexprs)
             cache = _compiled[kernel] = OrderedDict()
-            key = _launch_key(_current_device(), tuple(map(_DATA_PTR, tensors)), tensors, scalars,
-                       constexprs)
+            key = _launch_key(_current_device(), tuple(map(_DATA_PTR, tensors)), tensors,
+                              scalars, constexprs)
         _remember(cache, key, compiled)
 
 
@@ -107,7 +107,8 @@ def _remember(cache: OrderedDict, key: tuple | None, compiled) -> None:
 
 def _reusable(compiled) -> bool:
     """A compiled kernel (not the interpreter's None) of a backend whose specialisation
-    :func:`_launch_key` covers: CUDA's (pointer alignment; ROCm's also depends on storage sizes)."""
+    :func:`_launch_key` covers: CUDA's (pointer alignment; ROCm's also depends on storage
+    sizes)."""
     return torch.version.hip is None and knobs is not None and all(
         hasattr(compiled, name) for name in ("run", "function", "packed_metadata"))
 
@@ -118,7 +119,7 @@ _FIFTEEN = itertools.repeat(15)  # endless: one object for every key
 
 
 def _launch_key(device: int, addresses: tuple[int, ...], tensors: tuple, scalars: tuple,
-         constexprs: dict) -> tuple:
+                constexprs: dict) -> tuple:
     """All that decides a launch's specialisation: the device, each tensor's address modulo
     16 (Triton specialises a pointer on its 16-byte alignment alone, so grads at new
     addresses launch as before) and dtype, every other argument as it is (C-level passes)."""

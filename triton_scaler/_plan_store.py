@@ -9,9 +9,11 @@ A key is a tuple whose first item names what it keeps:
   grads' starts, uploaded;
 * ``("ops", device, addresses)``: :mod:`.ops`' launches over a grad list;
 * ``("grads", backend, addresses)``: :class:`GradScaler`'s launches over an optimizer's grads
-  outside gradient buckets, one per (device, dtype) group.
+  outside gradient buckets, one per (device, dtype) group;
+* ``("stats", device, grid, ranges)``: the finishing table of a ``watch_stats`` launch whose
+  grads' programs are ``ranges``, and its number of groups.
 
-The last two hold :class:`StoredLaunches`: plan templates (no grad) and what tells that new
+``ops`` and ``grads`` hold :class:`StoredLaunches`: plan templates (no grad) and what tells that new
 grads at those addresses are laid out as the grads they were made for. Each kind keeps its
 :data:`CAPACITY` most recently used entries, oldest first, so that a lookup compares a key
 with entries of its own kind only. Keys are compared with ``==``, never hashed: a hash reads

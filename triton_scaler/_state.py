@@ -370,8 +370,8 @@ class ScalerState(torch.amp.GradScaler):
         settings = {f: state_dict[f] for f in self._policy.state_items() if f in state_dict}
         policy = ScalePolicy.create(settings, name=_state_key, base=self._policy)
         scale = check_scale_value(_state_key("scale"), state_dict["scale"], policy)
-        growth_tracker = as_int(_state_key("_growth_tracker"), state_dict["_growth_tracker"], 0,
-                                INT32_MAX)
+        growth_tracker = as_int(_state_key("_growth_tracker"), state_dict["_growth_tracker"],
+                                0, INT32_MAX)
         if "_hysteresis_tracker" in state_dict:
             hysteresis_tracker = as_int(
                 _state_key("_hysteresis_tracker"), state_dict["_hysteresis_tracker"], INT32_MIN,
