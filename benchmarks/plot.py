@@ -16,10 +16,12 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def load(path: Path) -> tuple[dict, dict, dict, dict]:
-    """(kernel rows, host-cost rows, ops-call rows, machine info) of a pytest-benchmark JSON."""
+def load(path: Path) -> tuple[dict, dict, dict, dict, dict]:
+    """(kernel rows, host-cost rows, ops-call rows, watch-cost rows, machine info) of a
+    pytest-benchmark JSON."""
     data = json.loads(path.read_text())
     rows: dict = defaultdict(dict)
+    watch: dict = defaultdict(dict)  # (case, dtype) -> {"plain" / "watched": median seconds}
     host: dict = {}  # (n_params, host layout, impl label) -> median seconds, kernels
     ops: dict = defaultdict(dict)  # (n_grads, how the grads change) -> {kept: median seconds}
     for bench in data["benchmarks"]:
@@ -31,11 +33,14 @@ def load(path: Path) -> tuple[dict, dict, dict, dict]:
         if info["case"] == "ops host":  # test_bench_host.py: one ops call's host time
             ops[(info["n_grads"], info["grads"])][info["kept"]] = bench["stats"]["median"]
             continue
+        if info["impl"] in ("plain", "watched"):  # test_watch_cost.py: with a watch or not
+            watch[info["case"], info["dtype"]][info["impl"]] = bench["stats"]["median"]
+            continue
         key = (info["case"], info["dtype"], info["n_tensors"], info["numel"],
                info.get("fused", ""))
         rows[key][info["impl"]] = {"median": bench["stats"]["median"], "bytes": info["bytes"],
                                    "host_syncs": info.get("host_syncs")}
-    return rows, host, ops, data.get("machine_info", {})
+    return rows, host, ops, watch, data.get("machine_info", {})
 
 
 def host_table(host: dict) -> str:
@@ -66,6 +71,17 @@ def ops_table(ops: dict) -> str:
         if kept and not_kept:
             lines.append(f"| {n} | {grads} | {kept * 1e6:.0f} | {not_kept * 1e6:.0f} | "
                          f"{kept / not_kept:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def watch_table(watch: dict) -> str:
+    """``unscale_`` with a watch against without (``test_watch_cost.py``), one run."""
+    lines = ["| case | dtype | plain | watched | watched / plain |", "|---|---|---|---|---|"]
+    for (case, dtype), by_impl in sorted(watch.items()):
+        plain, watched = by_impl.get("plain"), by_impl.get("watched")
+        if plain and watched:
+            lines.append(f"| {case} | {dtype} | {plain * 1e6:.1f} us | {watched * 1e6:.1f} us | "
+                         f"{watched / plain:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -166,7 +182,7 @@ def main() -> None:
     parser.add_argument("json", type=Path)
     parser.add_argument("--label", required=True)
     args = parser.parse_args()
-    rows, host, ops, _ = load(args.json)
+    rows, host, ops, watch, _ = load(args.json)
     out = args.json.parent
     text = tables(rows)
     if host:
@@ -174,6 +190,9 @@ def main() -> None:
     if ops:
         text += ("\nHost time of one ops.non_finite_check_and_unscale_ call, no-op launches "
                  "(test_bench_host.py):\n\n" + ops_table(ops))
+    if watch:
+        text += "\nunscale_ with scaler.watch against without (test_watch_cost.py):\n\n" + \
+            watch_table(watch)
     (out / f"{args.label}_tables.md").write_text(text)
     for path in plots(rows, out, args.label):
         print(path)

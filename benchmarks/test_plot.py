@@ -1,12 +1,12 @@
 """benchmarks/plot.py on a suite JSON as ``run_cpu.sh`` / ``run_gpu.sh`` save it: kernel rows
-(bytes, GB/s) and the host-cost rows of test_bench_host.py (no bytes), which get their own
-table (the script stopped at the first host row before)."""
+(bytes, GB/s), the host-cost rows of test_bench_host.py (no bytes) and the watch-cost rows
+of test_watch_cost.py, each kind in its own table."""
 
 import importlib.util
 import json
 
 import pytest
-from plot import host_table, load, ops_table, plots, tables
+from plot import host_table, load, ops_table, plots, tables, watch_table
 
 
 def _bench(median: float, **info) -> dict:
@@ -26,13 +26,15 @@ def _suite(path) -> None:
         _bench(80e-6, impl="torch, plain, grads same", host_layout="dense", **host),
         _bench(30e-6, case="ops host", n_grads=100, grads="same_list", kept=True),
         _bench(120e-6, case="ops host", n_grads=100, grads="same_list", kept=False),
-        _bench(90e-6, case="ops host", n_grads=100, grads="cycle12", kept=False)]}))
+        _bench(90e-6, case="ops host", n_grads=100, grads="cycle12", kept=False),
+        _bench(10e-6, impl="plain", case="bucket", dtype="fp16", numel=4096, bytes=8192),
+        _bench(11e-6, impl="watched", case="bucket", dtype="fp16", numel=4096, bytes=8192)]}))
 
 
 def test_kernel_and_host_rows(tmp_path):
     path = tmp_path / "suite.json"
     _suite(path)
-    rows, host, ops, _ = load(path)
+    rows, host, ops, watch, _ = load(path)
     assert list(rows) == [("bucket", "fp32", 1, 1024, ""), ("many", "fp32", 4, 1024, "")]
     assert "| bucket | fp32 | 1 x 1024 | ours | 1.0 us | 8.2 | 2.00 |" in tables(rows)
     table = host_table(host)
@@ -42,6 +44,8 @@ def test_kernel_and_host_rows(tmp_path):
     calls = ops_table(ops)  # the ops' call rows (the script stopped at the first one before)
     assert "| 100 | same_list | 30 | 120 | 0.25 |" in calls
     assert len(calls.splitlines()) == 3  # cycle12 has no kept row
+    # test_watch_cost.py's rows (no n_tensors) get their own table
+    assert "| bucket | fp16 | 10.0 us | 11.0 us | 1.10 |" in watch_table(watch)
 
 
 def test_plots_beside_host_rows(tmp_path):

@@ -62,6 +62,16 @@ class MixedPrecision:
     def clip_grad_by_norm(self, optimizer, clip_val):
         torch.nn.utils.clip_grad_norm_(_params(optimizer), clip_val)
 
+    def on_load_checkpoint(self, checkpoint):  # Precision's: nothing
+        pass
+
+    def state_dict(self):
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict):
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state_dict)
+
 
 def _params(optimizer):
     return [p for group in optimizer.param_groups for p in group["params"]]
@@ -319,3 +329,42 @@ def test_hooks_before_the_step_see_unscaled_grads_while_clipping_by_norm(backend
                 assert a is b
             else:
                 torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def _saved(plugin):
+    """Lightning's checkpoint of a precision plugin's state (``dump_checkpoint``)."""
+    state = plugin.state_dict()
+    return {type(plugin).__qualname__: state} if state else {}
+
+
+def _restore(plugin, checkpoint):
+    """Lightning's ``restore_precision_plugin_state``."""
+    plugin.on_load_checkpoint(checkpoint)
+    if type(plugin).__qualname__ in checkpoint:
+        plugin.load_state_dict(checkpoint[type(plugin).__qualname__])
+
+
+def _plugin(kind, init_scale):
+    scaler = GradScaler("cpu", init_scale=init_scale)
+    return (ti.lightning_precision_plugin("cpu", scaler) if kind == "plugin"
+            else MixedPrecision("16-mixed", "cpu", scaler))
+
+
+@pytest.mark.parametrize("saved_by", ["plugin", "lightning"])
+@pytest.mark.parametrize("resumed_by", ["plugin", "lightning"])
+def test_a_run_resumes_at_its_saved_scale_with_either_plugin(saved_by, resumed_by):
+    """A checkpoint saved with the plugin or Lightning's MixedPrecision resumes at its saved
+    scale (256, not the new run's 1024) with either."""
+    checkpoint = _saved(_plugin(saved_by, 256.0))
+    resumed = _plugin(resumed_by, 1024.0)
+    _restore(resumed, checkpoint)
+    assert resumed.scaler.get_scale() == 256.0
+
+
+def test_a_checkpoint_under_the_plugins_former_key_resumes_at_its_scale():
+    """State saved under the plugin's former key (its own qualified name) still loads."""
+    old = {"lightning_precision_plugin.<locals>.FusedClipMixedPrecision":
+           GradScaler("cpu", init_scale=256.0).state_dict()}
+    resumed = _plugin("plugin", 1024.0)
+    _restore(resumed, old)
+    assert resumed.scaler.get_scale() == 256.0

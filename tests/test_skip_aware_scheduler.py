@@ -121,3 +121,20 @@ def test_load_state_dict_drops_the_pending_flags(queue):
     wrapped.load_state_dict({"steps": 7})
     wrapped.flush()
     assert wrapped.scheduler.steps == 7
+
+
+def test_swapped_or_wrong_arguments_are_refused_when_made():
+    """``SkipAwareScheduler(scaler, scheduler)`` (swapped) and a scheduler without ``step()``
+    raise a TypeError naming the order when made, not at the first ``step()``."""
+    from triton_scaler import GradScaler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    scaler = GradScaler("cpu")
+    with pytest.raises(TypeError, match=r"takes the LR scheduler first and the GradScaler "
+                                        r"second; got \(GradScaler, StepLR\)"):
+        SkipAwareScheduler(scaler, scheduler)
+    with pytest.raises(TypeError, match="scheduler must be an LR scheduler"):
+        SkipAwareScheduler(object(), scaler)
+    opt.step()
+    SkipAwareScheduler(scheduler, scaler).step()  # the right order works

@@ -319,3 +319,45 @@ def test_mixed_dtypes_empty_grads_and_bf16_overflows(backend):
             assert report.norm[name] == pytest.approx(norm, rel=1e-5)
     assert report.nonfinite["b"] == (2, 1) and report.has_grad["empty"]
     assert report.last_overflow.tensors == [("b", 2, 1)]
+
+
+def test_a_disabled_scalers_watch_reports_no_overflow_at_scale_one(backend):
+    """``GradScaler(..., enabled=False)`` (the usual ``enabled=use_amp`` toggle): its watch
+    reports before and after steps, no overflow, scale 1.0, every metric a float."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", enabled=False, backend=backend)
+    watch = scaler.watch(model)
+    reports = [watch.report()]
+    for _ in range(2):
+        scaler.scale(model(torch.randn(2, 5)).sum()).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        reports.append(watch.report())
+    for report in reports:
+        assert report.last_overflow is None and report.scale == 1.0
+        assert report.skipped_steps == 0 and report.consecutive_skips == 0
+        metrics = report.metrics("grad/")
+        assert metrics["grad/scale"] == 1.0
+        assert all(isinstance(v, float) for v in metrics.values())
+
+
+def test_the_skips_error_says_how_many_more_parameters_overflowed(backend):
+    """With more overflowing parameters than the message lists (8), it says how many more."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(12)])  # 24 parameters
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", backend=backend)
+    watch = scaler.watch(model, max_consecutive_skips=0)
+    scaler.scale(model(torch.randn(2, 2)).sum()).backward()
+    for p in model.parameters():
+        p.grad.fill_(math.inf)
+    scaler.step(opt)
+    scaler.update()
+    with pytest.raises(SkippedStepsError) as info:
+        watch.report()
+    message = str(info.value)
+    assert message.count(" inf, ") == 8 and message.endswith(
+        " and 16 more (report().last_overflow lists all)")
+    assert len(info.value.report.last_overflow.tensors) == 24

@@ -680,9 +680,26 @@ class GradScaler(ScalerState):
         if self._watch is not None:
             raise RuntimeError("this scaler already has a watch; call its close() before "
                                "watching again")
-        watch = GradWatch(self, model, max_consecutive_skips, check_every)
+        watch = GradWatch(model, max_consecutive_skips, check_every, backend=self._backend,
+                          process_group=self._process_group,
+                          scale_and_skips=self._scale_and_skips, on_close=self._unwatch)
         self._watch = watch
         return watch
+
+    def _scale_and_skips(self, device: torch.device | None) -> torch.Tensor:
+        """What a watch's report reads: float64 ``(scale, skipped steps)`` on ``device``
+        (None: the scale's), the device values once made, else the host's (1.0 and the
+        saved count when disabled). No host sync."""
+        if self._enabled and self._scale is not None:
+            assert self._skipped_steps_t is not None  # made with the scale
+            values = torch.stack([self._scale.double().reshape(()),
+                                  self._skipped_steps_t.double().reshape(())])
+            return values if device is None else values.to(device)
+        return torch.tensor([self.get_scale(), float(self.skipped_steps)], dtype=torch.float64,
+                            device=device or "cpu")
+
+    def _unwatch(self) -> None:
+        self._watch = None
 
     # ------------------------------------------------------------------ clipping
     @traced_when(_can_trace)

@@ -173,6 +173,10 @@ def _hooks_see_grads_before_the_clip(trainer: Any, model: Any) -> bool:
                for callback in getattr(trainer, "callbacks", None) or ())
 
 
+#: Where this plugin's state was saved before it took Lightning's key (its own qualified name)
+_OLD_PLUGIN_KEY = "lightning_precision_plugin.<locals>.FusedClipMixedPrecision"
+
+
 def lightning_precision_plugin(device: str = "cuda", scaler: GradScaler | None = None) -> Any:
     """A Lightning Trainer precision plugin (``"16-mixed"``) that unscales with
     :class:`triton_scaler.GradScaler` and, when the Trainer clips by norm
@@ -185,7 +189,8 @@ def lightning_precision_plugin(device: str = "cuda", scaler: GradScaler | None =
     ``clip_gradients`` called in manual optimization, the plugin behaves exactly as Lightning's
     ``MixedPrecision`` (unscale, hooks, torch's clip). Lightning refuses
     ``precision="16-mixed"`` on CPU; this plugin with ``device="cpu"`` runs fp16 autocast
-    there with the scaler."""
+    there with the scaler. Its state is saved under ``MixedPrecision``'s key: a checkpoint
+    resumes at its saved scale with this plugin or Lightning's own."""
     import importlib
 
     # typed as Any: the plugin overrides Lightning's methods by their runtime signatures
@@ -255,4 +260,12 @@ def lightning_precision_plugin(device: str = "cuda", scaler: GradScaler | None =
             self._unscale_deferred_now()  # unscaled first, as Lightning's
             return super().clip_grad_by_value(optimizer, clip_val)
 
+        def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            super().on_load_checkpoint(checkpoint)
+            if type(self).__qualname__ not in checkpoint and _OLD_PLUGIN_KEY in checkpoint:
+                self.load_state_dict(checkpoint[_OLD_PLUGIN_KEY])
+
+    # Lightning saves and restores a precision plugin's state under its class's qualified
+    # name: Lightning's own, so that a run resumes at its saved scale with either plugin
+    FusedClipMixedPrecision.__qualname__ = mixed_precision.__qualname__
     return FusedClipMixedPrecision("16-mixed", device, scaler or GradScaler(device))

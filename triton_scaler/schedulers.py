@@ -30,6 +30,23 @@ class SkipAwareScheduler:
     """
 
     def __init__(self, scheduler: Any, scaler: GradScaler) -> None:
+        """
+        Args:
+            scheduler: the LR scheduler to step (anything with ``step()``).
+            scaler: the :class:`GradScaler` whose skipped steps it leaves out.
+
+        Raises:
+            TypeError: the arguments swapped (a scaler first, or an LR scheduler second), or
+                ``scheduler`` has no ``step()``.
+        """
+        if isinstance(scheduler, torch.amp.GradScaler) or \
+                isinstance(scaler, torch.optim.lr_scheduler.LRScheduler):
+            raise TypeError("SkipAwareScheduler(scheduler, scaler) takes the LR scheduler first "
+                            "and the GradScaler second; got "
+                            f"({type(scheduler).__name__}, {type(scaler).__name__})")
+        if not callable(getattr(scheduler, "step", None)):
+            raise TypeError("scheduler must be an LR scheduler (with step()); got "
+                            f"{type(scheduler).__name__}")
         self.scheduler = scheduler
         self.scaler = scaler
         self._pending: deque[tuple[torch.Tensor, Any]] = deque()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -37,8 +38,11 @@ class GradWatch:
     steps. Only :meth:`report` reads them on the host (one copy).
     """
 
-    def __init__(self, scaler: Any, model: Any, max_consecutive_skips: int | None = None,
-                 check_every: int | None = None) -> None:
+    def __init__(self, model: Any, max_consecutive_skips: int | None = None,
+                 check_every: int | None = None, *, backend: str = "auto",
+                 process_group: Any = None,
+                 scale_and_skips: Callable[[torch.device | None], torch.Tensor] | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
         if max_consecutive_skips is not None and (
                 isinstance(max_consecutive_skips, bool)
                 or not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 0):
@@ -50,7 +54,12 @@ class GradWatch:
         if check_every is not None and max_consecutive_skips is None:
             raise ValueError("check_every needs max_consecutive_skips")
         pairs = named_parameters_of(model)
-        self._scaler = scaler
+        # what the scaler hands in: its backend and process group, its float64 ``(scale,
+        # skipped steps)`` on a given device (None: the scale's) for reports, and what
+        # detaches the watch from it
+        self._backend, self._process_group = backend, process_group
+        self._scale_and_skips = scale_and_skips or _no_scaling
+        self._on_close = on_close
         self.names: tuple[str, ...] = tuple(name for name, _ in pairs)
         self.max_consecutive_skips = max_consecutive_skips
         self.check_every = check_every
@@ -143,7 +152,7 @@ class GradWatch:
         written: list[int] = []
         values: list[torch.Tensor] = []
         for (grad_device, _), (rows, grads) in groups.items():
-            values.append(watch_stats(grads, inv_scale.to(grad_device), self._scaler._backend)
+            values.append(watch_stats(grads, inv_scale.to(grad_device), self._backend)
                           .to(device))
             written += rows
         fill = state["fill"]
@@ -278,21 +287,12 @@ class GradWatch:
         """
         if self._closed:
             raise RuntimeError("this watch was closed")
-        scaler = self._scaler
         n = len(self.names)
-        state = self._device_state(scaler._scale.device if scaler._scale is not None
-                                   else torch.device("cpu"))
+        extra = self._scale_and_skips(None if self._state is None else self._state["stats"].device)
+        state = self._device_state(extra.device)
         counters = state["counters"]
-        if scaler._scale is not None:
-            assert scaler._skipped_steps_t is not None  # made with the scale
-            extra = torch.stack([scaler._scale.to(counters.device, torch.float64).reshape(()),
-                                 scaler._skipped_steps_t.to(counters.device, torch.float64)
-                                 .reshape(())])
-        else:  # nothing ran yet
-            extra = torch.tensor([scaler.get_scale(), 0.0], dtype=torch.float64,
-                                 device=counters.device)
         stats, overflow = reduced_over_shards(state["stats"], state["overflow"],
-                                              self._sharded, self._scaler._process_group)
+                                              self._sharded, self._process_group)
         packed = torch.cat([stats.t().reshape(-1), overflow.t().reshape(-1), counters, extra])
         values = packed.tolist()  # the one host copy
         scale_now, skipped = values[-2], int(values[-1])
@@ -322,10 +322,13 @@ class GradWatch:
         if limit is None or most <= limit:
             return
         overflow = report.last_overflow
-        where = (f"; the last overflow (step {overflow.step}) was in: "
-                 + ", ".join(f"{name} ({inf} inf, {nan} NaN)"
-                             for name, inf, nan in overflow.tensors[:8])
-                 if overflow is not None and overflow.tensors else "")
+        where = ""
+        if overflow is not None and overflow.tensors:
+            shown, more = overflow.tensors[:8], len(overflow.tensors) - 8
+            where = (f"; the last overflow (step {overflow.step}) was in: "
+                     + ", ".join(f"{name} ({inf} inf, {nan} NaN)" for name, inf, nan in shown)
+                     + (f" and {more} more (report().last_overflow lists all)" if more > 0
+                        else ""))
         error = SkippedStepsError(
             f"{int(most)} steps in a row were skipped (max_consecutive_skips={limit}); the "
             f"scale is {report.scale:g}{where}")
@@ -336,7 +339,13 @@ class GradWatch:
         """Stop watching: the scaler records nothing more, and a new watch can be made."""
         if not self._closed:
             self._closed = True
-            self._scaler._watch = None
+            if self._on_close is not None:
+                self._on_close()
 
     def __repr__(self) -> str:
         return f"GradWatch({len(self.names)} parameters{', closed' if self._closed else ''})"
+
+
+def _no_scaling(device: torch.device | None) -> torch.Tensor:
+    """``(scale, skipped steps)`` of a watch without a scaler behind it: 1.0 and 0."""
+    return torch.tensor([1.0, 0.0], dtype=torch.float64, device=device or "cpu")
