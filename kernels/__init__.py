@@ -1,9 +1,9 @@
 """Triton kernels of triton_scaler and their launch helpers.
 
 Installed as ``triton_scaler.kernels``. Importing this package imports triton; the rest of
-triton_scaler imports it lazily, only when the Triton backend is used. From the package it
-imports only the description of its arguments (``triton_scaler._kernel_args``): planning
-and dispatch live in ``triton_scaler``.
+triton_scaler imports it lazily, only when the Triton backend is used. It imports torch and
+triton only: what each launch helper takes is described here (``unscale.LaunchPlan``,
+``update.PARAMS_LAYOUT``); planning and dispatch live in ``triton_scaler``.
 """
 
 from .unscale import launch_unscale

@@ -28,11 +28,11 @@ gradient's dtype) is non-finite, by a single masked store from each program that
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import triton
 import triton.language as tl
-
-from triton_scaler._kernel_args import UnscalePlan
 
 from .bits import bf16_bits_to_fp32, fp32_to_bf16_bits
 from .launcher import launch
@@ -220,13 +220,39 @@ def block() -> int:
     return INTERPRETER_BLOCK if _INTERPRETED else GPU_BLOCK
 
 
+class LaunchPlan(Protocol):
+    """What :func:`launch_unscale` reads of a plan (built by the caller's planning).
+
+    Attributes:
+        base: the tensor whose address, dtype and device the launch takes (a flat buffer,
+            or the first grad of a chunk table); None for a plan without elements.
+        table: the int64 ``[grid, 3]`` chunk table, rows ``(grad, offset, length)`` in
+            elements, the grad an index into ``starts``; None for a flat launch.
+        starts: with a table, the int64 byte address of each of its grads, ``base``'s first.
+        n: elements of the flat launch (0 with a table).
+        grid: programs to launch (0: nothing to launch).
+        copies: ``(grad, contiguous copy)`` pairs launched over as copies, written back.
+        fp64: the grads are float64 (the norm partials' precision, also without elements).
+        refusal: why a write over this plan must be refused, or None.
+    """
+
+    base: torch.Tensor | None
+    table: torch.Tensor | None
+    starts: torch.Tensor | None
+    n: int
+    grid: int
+    copies: list
+    fp64: bool
+    refusal: str | None
+
+
 #: Chunk tables and their starts that a captured CUDA graph reads: a graph keeps raw
 #: addresses, so these live as long as the process, whatever planning's store drops.
 _tables_for_graphs: dict[tuple[int, int], tuple] = {}
 
 
 def launch_unscale(
-    plan: UnscalePlan,
+    plan: LaunchPlan,
     found_inf: torch.Tensor,
     inv_scale: torch.Tensor,
     *,
@@ -240,9 +266,9 @@ def launch_unscale(
     """Unscale (``write=True``) or only check (``write=False``) the grads of ``plan``.
 
     Args:
-        plan: one launch over same-device, same-dtype grads (``triton_scaler._plans``): a
-            flat buffer or a chunk table; gapped grads through contiguous copies, written
-            back after the launch.
+        plan: one launch over same-device, same-dtype grads (:class:`LaunchPlan`): a flat
+            buffer or a chunk table; gapped grads through contiguous copies, written back
+            after the launch.
         found_inf: 0-d fp32 flag on the grads' device, set to 1.0 on a non-finite value.
         inv_scale: 0-d fp32 multiplier, or (``inv_from_scale``) the 0-d fp32 scale, whose
             reciprocal the kernel forms as torch does (``fp32(1 / fp64(scale))``).
@@ -254,12 +280,12 @@ def launch_unscale(
         base: the launch's base grad when ``plan`` is a kept template (which holds none):
             the grad at the template's ``base_index`` in a list laid out as its own.
         stats: a watched launch's ``(partials, finish, counters, rows)``, as
-            ``triton_scaler._plans.finish_buffers`` makes them: float64 ``[plan.grid +
+            the caller's planning makes them: float64 ``[plan.grid +
             groups, 4]`` (contiguous) for each program's sum of squares, max ``|x|`` of the
             values that are not NaN, inf count and NaN count, of the unscaled (dtype-rounded)
             grads before a clip, then each group's sums; int64 ``finish``: each program's
             watched tensor (``-1``: none), then per watched tensor ``(begin, end, row, first
-            group, its counter)`` (``_plans.finish_table``); int32 ``counters``, one per
+            group, its counter)`` (see :func:`.stats.finish_tensor`); int32 ``counters``, one per
             group and one per watched tensor, zero (and zero again after the launch);
             float64 ``rows`` ``[n, 5]``, where each watched tensor's ``(amax, sum of squares,
             inf count, NaN count, 1.0)`` is written (amax NaN where a NaN was seen) by its

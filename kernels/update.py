@@ -15,13 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_scaler._kernel_args import PARAMS_LAYOUT  # the params buffer's layout
-
 from .launcher import launch
 from .stats import record_watch
 
 __all__ = ["PARAMS_LAYOUT", "bind_update_scale", "update_scale_kernel"]
 
+#: What ``params_ptr`` points to: float64 values in this order (the caller builds the buffer)
+PARAMS_LAYOUT = ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale",
+                 "hysteresis")
 _OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}
 
 

@@ -1,6 +1,6 @@
 """The layers' boundaries, read from the source: no import cycle, internal modules import no
-public module above them, ``kernels/`` imports nothing from the package but the description
-of its arguments (``triton_scaler/_kernel_args.py``), the unscale kernel is launched from
+public module above them, ``kernels/`` imports nothing from the package (the update
+kernel's parameter layout is the policy's), the unscale kernel is launched from
 the dispatch layer (``triton_scaler/_dispatch.py``) alone, a private name means one thing
 across the package; and, at run time, launch planning keeps what a scaler step and an ops
 call reuse in one store, and a steady-state ``unscale_`` calls down through at most six
@@ -28,13 +28,23 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
-def test_kernels_import_only_the_description_of_their_arguments():
+def test_kernels_import_torch_and_triton_only():
     files = sorted((ROOT / "kernels").glob("*.py"))
     assert files
     for path in files:
-        from_package = {name for name in _imported_modules(path)
-                        if name.startswith("triton_scaler")}
-        assert from_package <= {"triton_scaler._kernel_args"}, (path.name, from_package)
+        outside = {name for name in _imported_modules(path) if not name.startswith(".")
+                   and name.split(".")[0] not in {"torch", "triton", "__future__", "typing",
+                                                   "collections", "functools", "itertools",
+                                                   "operator"}}
+        assert not outside, (path.name, outside)
+
+
+def test_the_update_kernels_parameter_layout_is_the_policys():
+    from triton_scaler.kernels.update import PARAMS_LAYOUT
+
+    from triton_scaler.policy import PARAMS_LAYOUT as POLICY_LAYOUT
+
+    assert PARAMS_LAYOUT == POLICY_LAYOUT
 
 
 def test_the_unscale_kernel_is_launched_from_the_dispatch_layer_alone():

@@ -85,8 +85,11 @@ def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor
                                       base=group.base, stats=stats)
     if norm or clip_coef is not None:
         raise ValueError("the clip's fused passes run on the Triton backend only")
-    _reference_unscale(group.grads, found_inf,
-                       reference.inv_scale_of(scale) if from_scale else scale, write)
+    inv_scale = reference.inv_scale_of(scale) if from_scale else scale
+    if not write and found_inf.device.type == "cpu":  # the scaler's check, as torch's there
+        reference.check_by_unscaling_by_one_(group.grads, found_inf, inv_scale)
+    else:
+        _reference_unscale(group.grads, found_inf, inv_scale, write)
     return None
 
 
@@ -261,9 +264,10 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write) -> None:
     grads = as_tensor_list(grads)
     check_flag("found_inf", found_inf, torch.float32)
     check_flag("inv_scale", inv_scale, torch.float32)
-    if inv_scale.device != found_inf.device:
-        raise ValueError(f"inv_scale is on {inv_scale.device} but found_inf is on {found_inf.device}")
-    resolved = resolve_backend(backend, found_inf.device)
+    device = found_inf.device
+    if inv_scale.device != device:
+        raise ValueError(f"inv_scale is on {inv_scale.device} but found_inf is on {device}")
+    resolved = resolve_backend(backend, device)
     mesh_groups: list = []  # every process group any DTensor grad is sharded over
     plain = PLAIN.issuperset(map(type, grads))
     if not plain:  # rare: a DTensor (its local shard) or such
@@ -280,20 +284,20 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write) -> None:
         try:  # torch's op checks the grads itself: no per-tensor Python work when they are fine
             _reference_unscale(grads, found_inf, inv_scale, write)
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
-            group_grads(grads, found_inf.device, plain)  # raises the clearer error, if it finds one
+            group_grads(grads, device, plain)  # raises the clearer error, if it finds one
             raise
     elif resolved == "triton":  # plans kept for grads at the same addresses (subclasses
         # were unwrapped or refused above: what is not plain is no tensor, which group_grads refuses)
         kernels = triton_kernels()
-        for plan in _plans.ops_plans(grads, found_inf.device, write,
-                                     lambda: group_grads(grads, found_inf.device, plain)):
+        for plan in _plans.ops_plans(grads, device, write,
+                                     lambda: group_grads(grads, device, plain)):
             kernels.launch_unscale(plan, found_inf, inv_scale, write=write)
     else:
-        for members in group_grads(grads, found_inf.device, plain):
+        for members in group_grads(grads, device, plain):
             _reference_unscale(members, found_inf, inv_scale, write)
     if mesh_groups:  # as torch's op under DTensor dispatch, over the union of the grads'
         # sharded dimensions (torch's: its first grad's; docs/distributed.md)
-        agree_over_meshes({found_inf.device: found_inf}, {found_inf.device: mesh_groups})
+        agree_over_meshes({device: found_inf}, {device: mesh_groups})
 
 
 def update_scale(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor,

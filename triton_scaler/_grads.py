@@ -34,7 +34,7 @@ from ._op_args import FLOAT_DTYPES, check_grad_dtype
 from ._plan_store import StoredLaunches, tensor_guards
 
 if TYPE_CHECKING:
-    from ._kernel_args import UnscalePlan
+    from ._plans import UnscalePlan
 
 _GRAD = operator.attrgetter("grad")
 _PARAMS = operator.itemgetter("params")

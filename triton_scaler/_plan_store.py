@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -37,9 +37,6 @@ try:  # one C++ call checking many tensors' types, dtypes, devices, shapes and s
     from torch._C._dynamo.guards import TensorGuards
 except ImportError:  # pragma: no cover - a torch built without dynamo: Python passes
     TensorGuards = None  # type: ignore[assignment, misc]
-
-if TYPE_CHECKING:
-    from ._kernel_args import UnscalePlan
 
 #: Entries kept of each kind: a training loop needs one of each per grad list (the size
 #: pattern shared by lists of the same sizes), an allocator cycling its blocks a few.
@@ -102,13 +99,13 @@ def clear() -> None:
 
 class StoredLaunches:
     """The launches over a grad list (``(index of the launch's base grad in the list, plan
-    template)``, one per group, in order; the template None for a group on the reference
-    path) and what tells that new grads at the same addresses are laid out as the grads they
-    were made for. Holds no grad."""
+    template)``, the template an :class:`~._plans.UnscalePlan`, one per group, in order; None
+    for a group on the reference path) and what tells that new grads at the same addresses
+    are laid out as the grads they were made for. Holds no grad."""
 
     __slots__ = ("launches", "numels", "dtypes", "guard")
 
-    def __init__(self, launches: Sequence[tuple[int, UnscalePlan | None]],
+    def __init__(self, launches: Sequence[tuple[int, Any]],
                  numels: tuple[int, ...] | None, dtypes: tuple[torch.dtype, ...] | None,
                  guard: TensorGuards | None = None) -> None:
         self.launches = launches

@@ -6,6 +6,7 @@ except in speed)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -125,6 +126,10 @@ def compare(device: torch.device, steps: int, fused: bool) -> list[str]:
     print(f"\n== AdamW fused={fused}: {steps} steps, clipping at norm 1.0 (torch: unscale_ + "
           f"clip_grad_norm_; ours: scaler.clip_grad_norm_), overflows planted at "
           f"{sorted(overflow_at)}")
+    init_scale = kwargs["init_scale"]
+    print(f"both scalers: init_scale=2**{math.log2(init_scale):g} ({init_scale:g}), "
+          f"growth_interval={kwargs['growth_interval']} (not torch's defaults: the scale backs "
+          "off and grows within the run)")
     runs = train_pair((torch.amp.GradScaler(device.type, **kwargs),
                        GradScaler(device.type, **kwargs)), device, steps, overflow_at, fused,
                       f"AdamW fused={fused}")

@@ -17,11 +17,14 @@ from typing import Any
 
 import torch
 
-from ._kernel_args import PARAMS_LAYOUT  # the update kernel's float64 buffer, in order
-
 FP32_MAX = float(torch.finfo(torch.float32).max)
 FP32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32, 2**-126
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+#: The update kernel's float64 parameter buffer (:meth:`ScalePolicy.kernel_params`), in the
+#: order its ``params_ptr`` reads (``triton_scaler.kernels.update.PARAMS_LAYOUT``).
+PARAMS_LAYOUT = ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale",
+                 "hysteresis")
 
 Namer = Callable[[str], str]
 

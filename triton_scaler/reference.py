@@ -8,8 +8,10 @@ as ``torch.amp.GradScaler("cpu")``.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from ._memory import covers
 from .policy import ScalePolicy
@@ -30,9 +32,7 @@ def _may_overflow(inv_scale: torch.Tensor) -> bool:
     On CPU the value is read directly (there is no device to synchronise with); elsewhere the
     answer is conservatively True, which costs one extra read of the grads.
     """
-    if inv_scale.device.type != "cpu":
-        return True
-    return not 0.0 <= _read_cpu_scalar(inv_scale) <= 1.0
+    return not inv_scale.is_cpu or not 0.0 <= _read_cpu_scalar(inv_scale) <= 1.0
 
 
 def _unaliased(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -96,23 +96,53 @@ def multiply_as_torchs_op_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -
 
 
 def _max_abs_per_dtype(grads: list[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
-    """Per dtype, the largest ``|x|`` over the non-empty grads (NaN when one holds a NaN), as a
-    0-d tensor of that dtype. Reads the grads, never writes them."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        if g.numel():
-            groups.setdefault(g.dtype, []).append(g)
-    return {dtype: _max_abs(ts) for dtype, ts in groups.items()}
+    """Per dtype, the largest ``|x|`` over the grads (NaN when one holds a NaN), as a 0-d
+    tensor of that dtype; dtypes whose grads are all empty left out. Reads the grads, never
+    writes them."""
+    dtypes = set(map(_DTYPE, grads))
+    groups = {dtypes.pop(): grads} if len(dtypes) == 1 else \
+        {dtype: [g for g in grads if g.dtype == dtype] for dtype in dtypes}
+    peaks = {}
+    for dtype, tensors in groups.items():
+        peak = _max_abs(tensors)
+        if peak is not None:
+            peaks[dtype] = peak
+    return peaks
 
 
-def _max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The largest ``|x|`` over non-empty same-dtype ``tensors`` (NaN when one holds a NaN).
-    On CPU one ``aminmax`` per tensor, ``max(max, -min)``: torch's CPU inf-norm reduction is
-    far slower (the check benchmark, 2**26 elements or 1000 x 65536: 83–90 ms against 2.9–13.5
-    ms on a 2-core VM, torch 2.13). On other devices one foreach inf-norm: one fused launch."""
+_DTYPE = operator.attrgetter("dtype")
+_NUMEL = torch.Tensor.numel
+#: On the CPU, grads of at most this many elements in all are read as one flat copy (one
+#: ``aminmax`` over it costs less than one call per small tensor); beyond, the small ones.
+_FLAT_ELEMENTS = 1 << 20
+_SMALL_ELEMENTS = 1 << 14
+
+
+def _max_abs(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The largest ``|x|`` over same-dtype ``tensors`` (NaN when one holds a NaN), None when
+    they hold no element. On CPU ``max(max, -min)`` of ``aminmax``: one over the small
+    tensors flattened together, one per larger tensor (torch's CPU inf-norm reduction is
+    several times slower). On other devices one foreach inf-norm: one fused launch."""
+    numels = list(map(_NUMEL, tensors))
+    total = sum(numels)
+    if not total:
+        return None
+    if 0 in numels:
+        tensors = [t for t, n in zip(tensors, numels) if n]
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors, math.inf)).max()
-    lows, highs = zip(*map(torch.aminmax, tensors))
+    if len(tensors) == 1:
+        parts = tensors
+    elif total <= _FLAT_ELEMENTS:
+        parts = [_flatten_dense_tensors(tensors)]
+    else:
+        small = [t for t, n in zip(tensors, numels) if n <= _SMALL_ELEMENTS]
+        parts = [t for t, n in zip(tensors, numels) if n > _SMALL_ELEMENTS]
+        parts += [_flatten_dense_tensors(small)] if len(small) > 1 else small
+    if len(parts) == 1:
+        low, high = torch.aminmax(parts[0])
+        return torch.maximum(high, low.neg())
+    lows, highs = zip(*map(torch.aminmax, parts))
     return torch.maximum(torch.stack(highs).max(), torch.stack(lows).min().neg())
 
 
@@ -131,6 +161,22 @@ def check_(grads: list[torch.Tensor], found_inf: torch.Tensor,
     if non_finite:
         flag = non_finite[0] if len(non_finite) == 1 else torch.stack(non_finite).any()
         found_inf.copy_(torch.where(flag, 1.0, found_inf))
+
+
+def check_by_unscaling_by_one_(grads: list[torch.Tensor], found_inf: torch.Tensor,
+                               inv_scale: torch.Tensor) -> None:
+    """:func:`check_` of CPU grads as torch's scaler checks them for a fused optimizer
+    (``_check_inf_per_device``): torch's unscale op by 1.0, which writes every grad back as
+    it was (no value changes; the version counters move, as under torch's scaler), one C++
+    call where a read-only pass costs a Python call per grad. The products with
+    ``inv_scale`` are checked too where they may overflow (a scale below 1), as the Triton
+    check does."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, _ONE)
+    if _may_overflow(inv_scale):
+        check_(grads, found_inf, inv_scale)
+
+
+_ONE = torch.ones((), dtype=torch.float32)  # torch's inv_scale for a check, on the CPU
 
 
 def update_scale_(
