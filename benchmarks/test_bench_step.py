@@ -10,7 +10,7 @@ from triton_scaler import GradBuckets, GradScaler
 from triton_scaler.bench import scaler_step_pair
 from triton_scaler.diagnostics import count_host_syncs, optimizer_step_uncounted
 
-D_MODEL, LAYERS = (512, 6) if FULL else (64, 1)
+D_MODEL, LAYERS = (512, 6) if FULL and DEVICE.type == "cuda" else (128, 2) if FULL else (64, 1)
 
 
 def _transformer():
