@@ -40,7 +40,7 @@ def noop_launches() -> Iterator[Counter]:
 
     counts: Counter = Counter()
     saved = [(unscale, "unscale_kernel"), (update, "update_scale_kernel"),
-             (unscale, "_INTERPRETED"), (unscale, "INTERPRETER_BLOCK"),
+             (unscale, "_INTERPRETED"), (unscale, "BLOCK"),
              (torch, "_amp_foreach_non_finite_check_and_unscale_"),
              (torch, "_amp_update_scale_")]
     originals = [getattr(m, name) for m, name in saved]

@@ -23,7 +23,7 @@ def load(path: Path) -> tuple[dict, dict, dict, dict, dict]:
     rows: dict = defaultdict(dict)
     watch: dict = defaultdict(dict)  # (case, dtype) -> {"plain" / "watched": median seconds}
     host: dict = {}  # (n_params, host layout, impl label) -> median seconds, kernels
-    ops: dict = defaultdict(dict)  # (n_grads, how the grads change) -> {kept: median seconds}
+    ops: dict = {}  # (n_grads, how the grads change) -> median seconds
     for bench in data["benchmarks"]:
         info = bench["extra_info"]
         if info["case"] == "host":  # test_bench_host.py: a step's host time, no bytes
@@ -31,7 +31,7 @@ def load(path: Path) -> tuple[dict, dict, dict, dict, dict]:
             host[key] = {"median": bench["stats"]["median"], "kernels": info["kernels"]}
             continue
         if info["case"] == "ops host":  # test_bench_host.py: one ops call's host time
-            ops[(info["n_grads"], info["grads"])][info["kept"]] = bench["stats"]["median"]
+            ops[(info["n_grads"], info["grads"])] = bench["stats"]["median"]
             continue
         if info["impl"] in ("plain", "watched"):  # test_watch_cost.py: with a watch or not
             watch[info["case"], info["dtype"]][info["impl"]] = bench["stats"]["median"]
@@ -62,15 +62,10 @@ def host_table(host: dict) -> str:
 
 
 def ops_table(ops: dict) -> str:
-    """One ``ops.non_finite_check_and_unscale_`` call's host time, with the plans the ops
-    keep between calls and without (``_ops_host_cost.py``), each its own test of one run."""
-    lines = ["| grads | grads between calls | plans kept us | plans not kept us | kept / not kept |",
-             "|---|---|---|---|---|"]
-    for (n, grads), by_kept in sorted(ops.items()):
-        kept, not_kept = by_kept.get(True), by_kept.get(False)
-        if kept and not_kept:
-            lines.append(f"| {n} | {grads} | {kept * 1e6:.0f} | {not_kept * 1e6:.0f} | "
-                         f"{kept / not_kept:.2f} |")
+    """One ``ops.non_finite_check_and_unscale_`` call's host time (``_ops_host_cost.py``)."""
+    lines = ["| grads | grads between calls | us per call |", "|---|---|---|"]
+    for (n, grads), median in sorted(ops.items()):
+        lines.append(f"| {n} | {grads} | {median * 1e6:.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -4,7 +4,7 @@
 #   bash benchmarks/run_cpu.sh [OUT_DIR]     figures under OUT_DIR (default: a new folder in /tmp)
 #   bash benchmarks/run_cpu.sh --update      figures into benchmarks/results (tracked files)
 # Writes cpu.json (pytest-benchmark), cpu_tables.md, the plots (with matplotlib) and
-# cpu_bench.txt (python -m triton_scaler bench). Takes about 6 minutes on a 2-core VM.
+# cpu_bench.txt (python -m triton_scaler bench). Takes about 3 minutes on a 2-core VM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ ${1:-} == --update ]]; then out=benchmarks/results; else out=${1:-$(mktemp -d /tmp/cpu_bench.XXXX)}; fi

@@ -19,7 +19,7 @@ from _bench_common import FULL
 from _host_cost import CASES, HOST_LAYOUTS, label, make_step
 from _host_stubs import noop_launches
 from _ops_host_cost import CASES as OPS_CASES
-from _ops_host_cost import make_call, plans_kept
+from _ops_host_cost import make_call
 
 SIZES = [100, 1000, 10000] if FULL else [100, 1000]
 #: every case in each layout (HOST_LAYOUTS)
@@ -67,20 +67,19 @@ def test_dense_new_memory_misses_every_step(monkeypatch):
 
 @pytest.mark.parametrize("n_grads", SIZES)
 @pytest.mark.parametrize("case", OPS_CASES)
-@pytest.mark.parametrize("kept", [True, False], ids=["plans kept", "plans not kept"])
-def test_ops_call_host_cost(benchmark, n_grads, case, kept):
-    """One ``ops.non_finite_check_and_unscale_`` call, launches no-ops: with the plans the
-    ops keep between calls and without (``_ops_host_cost.py``); one launch per call."""
-    with noop_launches() as counts, plans_kept(kept):
+def test_ops_call_host_cost(benchmark, n_grads, case):
+    """One ``ops.non_finite_check_and_unscale_`` call, launches no-ops
+    (``_ops_host_cost.py``); one launch per call."""
+    with noop_launches() as counts:
         prepare, call = make_call(n_grads, case)
-        for _ in range(3):  # the first calls make the plans
+        for _ in range(3):  # the first calls make the rows
             prepare()
             call()
         counts.clear()
         prepare()
         call()
         assert sum(counts.values()) == 1, counts
-        benchmark.extra_info.update(case="ops host", n_grads=n_grads, grads=case, kept=kept)
+        benchmark.extra_info.update(case="ops host", n_grads=n_grads, grads=case)
         benchmark.pedantic(call, setup=prepare, rounds=1 if not benchmark.enabled else 21,
                            warmup_rounds=0)
 

@@ -215,9 +215,13 @@ def is_interpreting() -> bool:
     return _INTERPRETED
 
 
+#: Elements per program of :func:`launch_unscale`: the block plans are cut in.
+BLOCK = INTERPRETER_BLOCK if _INTERPRETED else GPU_BLOCK
+
+
 def block() -> int:
-    """Elements per program of :func:`launch_unscale`: the block plans are cut in."""
-    return INTERPRETER_BLOCK if _INTERPRETED else GPU_BLOCK
+    """:data:`BLOCK`."""
+    return BLOCK
 
 
 class LaunchPlan(Protocol):
@@ -320,7 +324,7 @@ def launch_unscale(
         inv_scale, found_inf, found_inf if clip_coef is None else clip_coef, partials,
         *((found_inf,) * 4 if stats is None else stats),
     ), (plan.n,), dict(
-        BLOCK=INTERPRETER_BLOCK if interpreting else GPU_BLOCK, USE_TABLE=plan.table is not None,
+        BLOCK=BLOCK, USE_TABLE=plan.table is not None,
         WRITE=write, BF16_BITS=bf16_bits, VEC=16 // base.element_size(), FP64=fp64,
         ROUND=write or norm != 0, NORM=norm, CLIP=clip_coef is not None,
         INV_FROM_SCALE=inv_from_scale, STATS=stats is not None,

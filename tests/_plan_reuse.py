@@ -1,30 +1,11 @@
-"""What the plan-reuse tests share (``test_plan_reuse.py``: the grads' memory changes;
-``test_plan_reuse_params.py``: the parameters change): each test three ways (the
-``tensor_guards`` fixture, autouse where imported), a run against torch's scaler, and
+"""What the tests of grads whose memory changes (``test_plan_reuse.py``) and of parameters
+that change (``test_plan_reuse_params.py``) share: a run against torch's scaler, and
 training over grads in fixed memory."""
 
-import pytest
 import torch
 from _util import assert_all_same
 
-from triton_scaler import GradScaler, _plan_store
-
-
-def _guards_of_another_signature(*grads, **kwargs):
-    raise TypeError("TensorGuards() got an unexpected keyword argument")
-
-
-@pytest.fixture(autouse=True, params=["tensor_guards", "python_check", "other_signature"])
-def tensor_guards(request, monkeypatch):
-    """Every test three times: reused plans checked by torch's TensorGuards from their second
-    reuse on; by the Python passes only (a torch without TensorGuards); by the Python passes
-    after TensorGuards refused its arguments (a torch whose private API changed). True for
-    the first."""
-    if request.param == "python_check":
-        monkeypatch.setattr(_plan_store, "TensorGuards", None)
-    elif request.param == "other_signature":
-        monkeypatch.setattr(_plan_store, "TensorGuards", _guards_of_another_signature)
-    return request.param == "tensor_guards"
+from triton_scaler import GradScaler
 
 
 def assert_matches_torch(run, backend, **kwargs):

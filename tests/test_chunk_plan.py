@@ -1,10 +1,11 @@
-"""The host side of a launch (``triton_scaler/_plans.py``), on its own: the chunk table's rows, its
-caches, the grads it leaves out (empty ones, aliases) and the flat path of a single grad.
+"""The host side of a launch (``triton_scaler/_plans.py``), on its own: the chunk table's rows,
+its memo of rows per size pattern, the grads it leaves out (empty ones, aliases) and the
+flat path of a single grad.
 
 The kernels' results over these plans are tested against torch's op elsewhere
 (``test_ops_unscale.py``, ``test_overlapping_grads.py``, ``test_grads_sharing_memory.py``);
 a plan with a chunk too many (of negative length) or a table built anew each step would
-still give those results, so the rows and the caches are checked here, against a table
+still give those results, so the rows and the memo are checked here, against a table
 written out in Python. CPU tensors: a plan is host work (only its upload differs on a
 GPU)."""
 
@@ -12,19 +13,17 @@ import pytest
 import torch
 import triton
 
-from triton_scaler import _plan_store
 from triton_scaler import _plans as plan
 
 BLOCK = 4
 
 
 @pytest.fixture(autouse=True)
-def no_kept_tables():
-    """No table or size pattern of an earlier test: freed grads leave their addresses to
-    this test's, whose calls would find that test's tables."""
-    _plan_store.clear()
+def no_kept_rows():
+    """No size pattern of an earlier test."""
+    plan.clear()
     yield
-    _plan_store.clear()
+    plan.clear()
 
 
 def _expected_rows(grads: list[torch.Tensor], block: int) -> list[list[int]]:
@@ -70,16 +69,22 @@ def test_the_rows_are_every_grads_chunks(dtype):
     assert overlapping is False
 
 
-def test_a_repeated_layout_gets_the_same_table_and_new_addresses_the_same_rows():
-    """The same addresses: the same table and starts, not built anew. Other addresses, the
-    same sizes: new starts over the same rows (the size pattern's), which resolve to the
-    moved grads' chunks."""
+def test_grads_of_sizes_seen_before_get_the_same_rows_and_their_own_starts():
+    """The same sizes, at the same or other addresses: the rows of the size pattern, not
+    built anew, and starts of their own, which resolve to the grads' chunks; other sizes,
+    other rows. The memo keeps the most recently used patterns."""
     buffer = torch.zeros(128)
     grads = _views(buffer, SPANS)
     numels = tuple(n for _, n in SPANS)
     table, starts, _ = plan.chunk_table(grads, numels, BLOCK)
     again = plan.chunk_table(grads, numels, BLOCK, tuple(g.data_ptr() for g in grads))
-    assert again[0] is table and again[1] is starts
+    assert again[0] is table and torch.equal(again[1], starts)
+    other_sizes = _views(buffer, [(0, 3), (3, 9)])
+    assert plan.chunk_table(other_sizes, (3, 9), BLOCK)[0] is not table
+    for n in range(plan.PATTERNS_KEPT - 1):  # others, beside the first pattern used last
+        plan.chunk_table(grads, numels, BLOCK)
+        plan.chunk_table([buffer[:n + 1], buffer[n + 1:n + 3]], (n + 1, 2), BLOCK)
+    assert plan.chunk_table(grads, numels, BLOCK)[0] is table
     moved = _views(buffer, [(start + 64, n) for start, n in SPANS])
     rows, other, _ = plan.chunk_table(moved, numels, BLOCK)
     assert rows is table and other is not starts

@@ -218,14 +218,14 @@ def test_fused_route_never_synchronises(cuda):
 
 def _evict_chunk_tables(cuda):
     """What a long run does after a capture: other grad layouts push the captured chunk table
-    out of planning's store, and the freed device blocks are reused and overwritten."""
-    from triton_scaler import _grads, _plan_store
+    out of planning's memo, and the freed device blocks are reused and overwritten."""
+    from triton_scaler import _grads, _plans
 
     found, one = torch.zeros((), device=cuda), torch.ones((), device=cuda)
     for i in range(40):
         ops.non_finite_check_([torch.ones(5 + i, device=cuda), torch.ones(3, device=cuda)],
                               found, one, backend="triton")
-    _plan_store.clear()
+    _plans.clear()
     _grads._layouts.clear()
     gc.collect()
     # small blocks, the size class of a chunk table, so that freed tables are reused
@@ -302,9 +302,9 @@ def test_sizes_first_planned_in_a_capture_are_planned_again_outside_it(cuda):
     graph replays: an eager call over grads of the same sizes at other addresses before any
     replay (an inf planted in its last grad) matches torch's op, and the replay then
     unscales the captured grads."""
-    from triton_scaler import _plan_store
+    from triton_scaler import _plans
 
-    _plan_store.clear()
+    _plans.clear()
     sizes = [4097, 3, 5000]
     inv = torch.full((), 0.5, device=cuda)
     warm = [torch.ones(n, device=cuda) for n in (7, 9)]  # compiles the table launch

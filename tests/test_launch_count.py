@@ -1,6 +1,6 @@
 """Exactly one kernel launch per gradient group / bucket for unscale_ (or the
 fused route's check) and exactly one for update(), no other device op; the O(1) bucket path
-stays exact when grads are replaced (the no-bucket plans: test_plan_reuse.py)."""
+stays exact when grads are replaced (the no-bucket path: test_plan_reuse.py)."""
 
 import gc
 import sys
@@ -137,7 +137,7 @@ def _replaced_after_backward(step, i, p):
 
 @pytest.mark.parametrize("fresh", [False, True])
 def test_grads_replaced_after_backward_are_unscaled(backend, fresh):
-    """The O(1) bucket check and the address-keyed plans see replaced grads: results equal
+    """The O(1) bucket check and the per-step planning see replaced grads: results equal
     torch's scaler (which reads every .grad) whether grads are assigned or set to None."""
     kwargs = dict(init_scale=2.0**8, growth_interval=2)
     overflow = {(3, 0)}
@@ -259,9 +259,9 @@ def test_no_grad_is_kept_alive_between_steps(backend):
 
 
 def test_reused_plans_follow_the_scaler_not_the_optimizer(monkeypatch):
-    """Two scalers with different backends on one optimizer share its cached layout and
-    launch plans: each backend gets what it needs (the reference path, the grads), and a
-    reference scaler launches no kernel from the Triton scaler's stored plans."""
+    """Two scalers with different backends on one optimizer, in turn: each gets what its
+    backend needs (the reference path, the grads), and a reference scaler launches no
+    kernel after a Triton scaler stepped the same optimizer."""
     if os_interpreter_missing():
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
     results, launches = [], []
@@ -278,5 +278,5 @@ def test_reused_plans_follow_the_scaler_not_the_optimizer(monkeypatch):
                 launches.append(counts["unscale"])
                 scaler.update()
             results.append([p.detach().clone() for p in params])
-    assert launches[5:] == [1, 1, 0, 1, 0]  # the second step reuses its stored plans
+    assert launches[5:] == [1, 1, 0, 1, 0]  # one launch a Triton step, none a reference one
     assert_all_same(results[1], results[0])

@@ -137,13 +137,13 @@ def test_parameters_outside_the_buckets_are_laid_out_once_per_parameter_layout(
     """With parameters both in gradient buckets and outside them, the scaler's view of the
     optimizer (which grads are outside, grouped how) is built at the first step and again
     only when a parameter outside the buckets is replaced in place in its list (checked by
-    identity each step), never per step; the Triton launches are planned then only (each
-    bucket's and the outside grads'), and no step groups grads one by one."""
+    identity each step), never per step; a bucket's launch is planned then only, the outside
+    grads' at each step (from the grads it reads), and no step groups grads one by one."""
     counts = count_calls(monkeypatch, _grads, "_Layout", key="layouts")
     count_calls(monkeypatch, _plans, "plan_unscale", counts, "plans")
     count_calls(monkeypatch, _grads, "_groups_slow", counts, "per_grad")
     actual = _train_partly_bucketed(GradScaler("cpu", backend=backend, init_scale=4.0), True)
     expected = _train_partly_bucketed(torch.amp.GradScaler("cpu", init_scale=4.0), False)
     assert_all_same(actual, expected)
-    plans = 2 * 2 if backend == "triton" else 0  # (bucket, outside grads) per layout
+    plans = 2 + 6 if backend == "triton" else 0  # the bucket's per layout, then per step
     assert (counts["layouts"], counts["plans"], counts["per_grad"]) == (2, plans, 0), counts

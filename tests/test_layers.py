@@ -3,16 +3,17 @@ public module above them, ``kernels/`` imports nothing from the package (the upd
 kernel's parameter layout is the policy's), the unscale kernel is launched from
 the dispatch layer (``triton_scaler/_dispatch.py``) alone, a private name means one thing
 across the package; and, at run time, launch planning keeps what a scaler step and an ops
-call reuse in one store, and a steady-state ``unscale_`` calls down through at most six
-files."""
+call reuse in one memo (rows per size pattern), and a steady-state ``unscale_`` enters at
+most six of the package's files, ``clip_grad_norm_`` at most eight."""
 
 import ast
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
-from triton_scaler import GradScaler, _plan_store, ops
+from triton_scaler import GradScaler, _plans, ops
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,15 +58,15 @@ def test_the_unscale_kernel_is_launched_from_the_dispatch_layer_alone():
     assert callers == {"_dispatch.py"}
 
 
-def test_a_scaler_step_and_an_ops_call_keep_their_plans_in_the_one_store(triton_device,
-                                                                          monkeypatch):
-    """A scaler's ``unscale_`` and an ops call over grads kept in place plan at their first
-    calls (tensor ops: chunk tables built and uploaded), then issue no tensor op besides
-    their launch (an inf planted at the end catches a stale plan); clearing planning's one
-    store makes both plan again, as at first."""
+def test_a_scaler_step_and_an_ops_call_keep_their_rows_in_the_one_memo(triton_device,
+                                                                         monkeypatch):
+    """A scaler's ``unscale_`` and an ops call over grads kept in place build their chunk
+    tables' rows at their first calls (tensor ops), then issue no tensor op besides their
+    launch (an inf planted at the end catches a stale plan); clearing planning's one memo
+    makes both build them again, as at first."""
     from _launch_counting import _launches, _Ops
 
-    _plan_store.clear()
+    _plans.clear()
     params = [torch.nn.Parameter(torch.ones(n, device=triton_device)) for n in (5, 4099, 3)]
     opt = torch.optim.SGD(params, lr=0.1)
     scaler = GradScaler(triton_device.type, backend="triton")
@@ -75,7 +76,7 @@ def test_a_scaler_step_and_an_ops_call_keep_their_plans_in_the_one_store(triton_
     with _launches(monkeypatch):  # (the interpreter's work inside a launch is not counted)
         for call in range(4):
             if call == 3:
-                _plan_store.clear()
+                _plans.clear()
             scaler.scale(sum(p.sum() for p in params)).backward()
             with _Ops() as mode:
                 scaler.unscale_(opt)
@@ -92,7 +93,7 @@ def test_a_scaler_step_and_an_ops_call_keep_their_plans_in_the_one_store(triton_
             assert found.item() == (1.0 if call == 2 else 0.0)
     for name, counts in issued.items():
         assert counts[0] > 0 and counts[1:] == [0, 0, counts[0]], (name, counts)
-    _plan_store.clear()
+    _plans.clear()
 
 
 def _package_imports() -> dict[str, set[str]]:
@@ -160,41 +161,38 @@ def _ours(filename: str) -> bool:
     return (ROOT / "triton_scaler") in path.parents or (ROOT / "kernels") in path.parents
 
 
-def test_a_steady_state_unscale_passes_through_at_most_six_files(backend):
-    """The fifth ``unscale_`` over grads kept in place calls down through at most six of the
-    package's files: those whose code calls into another of them (the scaler's entry, the
-    scaler, grad collection, dispatch, and on Triton the kernel's launch helper), then the one
-    doing the device work (the reference path, or the launcher). Leaf lookups that return at
-    once (the scaler's state, planning's store) are not passed through."""
+@pytest.mark.parametrize("call, most", [("unscale_", 6), ("clip_grad_norm_", 8)])
+def test_a_steady_state_call_enters_few_files(backend, call, most):
+    """The fifth ``unscale_`` (``clip_grad_norm_``) over grads kept in place enters at most
+    six (eight) of the package's files, leaves included (under the interpreter the kernel's
+    body too): on Triton the scaler, grad collection, planning, dispatch, the kernel and its
+    launcher; on the reference backend the reference path in place of the last three."""
     import sys
 
     params = [torch.nn.Parameter(torch.ones(n)) for n in (5, 7)]
     opt = torch.optim.SGD(params, lr=0.1)
     scaler = GradScaler("cpu", backend=backend)
-    through: set[str] = set()
+    entered: set[str] = set()
 
     def profile(frame, event, arg):
-        caller = frame.f_back
-        if event == "call" and caller is not None and _ours(frame.f_code.co_filename) and \
-                _ours(caller.f_code.co_filename) and \
-                caller.f_code.co_filename != frame.f_code.co_filename:
-            through.add(Path(caller.f_code.co_filename).name)
+        if event == "call" and _ours(frame.f_code.co_filename):
+            entered.add(Path(frame.f_code.co_filename).name)
 
     for i in range(5):
         scaler.scale(sum(p.sum() for p in params)).backward()
         if i == 4:
             sys.setprofile(profile)
         try:
-            scaler.unscale_(opt)
+            scaler.unscale_(opt) if call == "unscale_" else scaler.clip_grad_norm_(opt, 1.0)
         finally:
             sys.setprofile(None)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=False)
-    device_work = "reference.py" if backend == "reference" else "launcher.py"
-    assert through | {device_work} <= {"_compile.py", "grad_scaler.py", "_grads.py",
-                                       "_dispatch.py", "unscale.py", device_work}
-    assert len(through | {device_work}) <= 6, through
+    device_work = {"reference.py"} if backend == "reference" else \
+        {"_plans.py", "unscale.py", "launcher.py"}
+    assert entered <= {"grad_scaler.py", "_clip.py", "_grads.py", "_dispatch.py", *device_work}
+    assert len(entered) <= most, entered
 
 
 def _private_definitions(path: Path) -> dict[str, str]:

@@ -1,5 +1,5 @@
 """How ``clip_grad_norm_`` combines the norms of grads that live on several ranks
-(``triton_scaler/_norms.py``), in one process: torch's fake process group (4 ranks, every
+(``triton_scaler/_clip.py``), in one process: torch's fake process group (4 ranks, every
 collective a no-op) lets DTensors be made on a CPU (2, 2) mesh and a process group be passed.
 Each rank's arithmetic around the collectives is then checked alone, against torch's own on the
 same tensors: the norms of DTensor grads as torch's clip forms them under DTensor dispatch

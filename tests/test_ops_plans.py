@@ -1,7 +1,7 @@
-"""The launch plans the ops keep between calls on grads at the same addresses
-(``triton_scaler/_plans.py``'s ``ops_plans``, in planning's store): a third call there
-plans nothing, and grads changed at those addresses (dtype, size, strides, device, a sparse
-grad) are planned again or refused, each call bit-identical to torch's op."""
+"""The ops' launches over grads that come back to the same memory: every call plans from
+the grads as they are (one plan per dtype; planning keeps only the rows of each size
+pattern), so grads changed at those addresses (dtype, size, strides, shape, device, a sparse
+grad) are unscaled as torch's op does, bit for bit, or refused."""
 
 import math
 
@@ -10,14 +10,14 @@ import torch
 import triton_scaler.kernels
 from _util import assert_all_same, assert_same
 
-from triton_scaler import _plan_store, _plans, ops
+from triton_scaler import _plans, ops
 
 INV = 1 / 3.0  # not a power of two: every rounding is exercised
 
 
 @pytest.fixture
 def plans(monkeypatch):
-    """Counts the plans the ops make (``_plans.plan_unscale`` calls), from no stored plans."""
+    """Counts the plans the ops make (``_plans.plan_unscale`` calls)."""
     made = []
     plan_unscale = _plans.plan_unscale
 
@@ -26,9 +26,7 @@ def plans(monkeypatch):
         return plan_unscale(grads, *args, **kwargs)
 
     monkeypatch.setattr(_plans, "plan_unscale", counting)
-    _plan_store.clear()
     yield made
-    _plan_store.clear()
 
 
 def _unscale_as_torch(grads, write=True):
@@ -53,23 +51,23 @@ def _fill(grads, seed):
 
 
 @pytest.mark.parametrize("write", [True, False])
-def test_a_third_call_at_the_same_addresses_plans_nothing(triton_device, plans, write):
+def test_every_call_at_the_same_addresses_plans_and_sees_a_late_inf(triton_device, plans,
+                                                                      write):
     grads = [torch.empty(n, device=triton_device) for n in (0, 1, 4099, 70_001, 5)]
     for call in range(4):
         _fill(grads, seed=call)
-        if call == 3:  # the stored plans still see an inf at the end of the last grad
+        if call == 3:  # an inf at the end of the last grad
             grads[-1][-1] = math.inf
         assert _unscale_as_torch(grads, write) == (call == 3)
-    assert plans == [5, 5]  # the first call, then the second (which builds the guard)
-    # new grad tensors over the same memory reuse the plans too
+    assert plans == [5] * 4
+    # new grad tensors over the same memory, as torch's op too
     _fill(grads, seed=9)
     assert _unscale_as_torch([g.view(g.shape) for g in grads], write) == 0
-    assert plans == [5, 5]
 
 
-def test_mixed_dtypes_reuse_each_launch_on_its_own_grads(triton_device, plans):
-    """Each stored launch is put back on the first non-empty grad of its dtype, wherever it
-    stands in the list (here the fp32 launch's base is the third grad)."""
+def test_mixed_dtypes_launch_each_dtype_on_its_own_grads(triton_device, plans):
+    """One launch per dtype, on the first non-empty grad of its dtype wherever it stands in
+    the list (here the fp32 launch's base is the third grad)."""
     dtypes = [torch.float32, torch.float16, torch.float32, torch.bfloat16, torch.float16]
     sizes = [0, 3001, 257, 1, 4100]
     grads = [torch.empty(n, device=triton_device, dtype=d) for n, d in zip(sizes, dtypes)]
@@ -78,7 +76,7 @@ def test_mixed_dtypes_reuse_each_launch_on_its_own_grads(triton_device, plans):
         if call == 3:
             grads[2][0] = -math.inf
         assert _unscale_as_torch(grads) == (call == 3)
-    assert sorted(plans) == [1, 1, 2, 2, 2, 2]  # three launches planned in each of two calls
+    assert sorted(plans) == [1] * 4 + [2] * 8  # three launches planned in each call
 
 
 #: Grad lists over two buffers, each grad at its buffer's start: (buffer, dtype, shape, strides)
@@ -116,22 +114,20 @@ def _unscale_buffers_as_torch(buffers, layout):
 
 
 @pytest.mark.parametrize("change", ["dtype", "size", "strides", "shape"])
-def test_grads_changed_at_the_same_addresses_are_planned_again(triton_device, plans, change):
+def test_grads_changed_at_the_same_addresses_are_unscaled_as_torch(triton_device, change):
     buffers = [torch.empty(2 * 4099 + 8, device=triton_device),
                torch.empty(70, device=triton_device)]
-    for call in range(3):  # the plans of `original` stored, with their guard
+    for call in range(3):
         _fill(buffers, seed=call)
         assert _unscale_buffers_as_torch(buffers, "original") == 0
-    assert len(plans) == 2
     _fill(buffers, seed=5)
     changed = _views(buffers, change)
     _fill(changed, seed=6)
     changed[0][(-1,) * changed[0].dim()] = math.nan
     assert _unscale_buffers_as_torch(buffers, change) == 1
-    assert len(plans) == 3
 
 
-def test_a_grad_on_another_device_at_a_stored_address_is_refused(plans):
+def test_a_grad_on_another_device_at_an_earlier_address_is_refused():
     """Empty grads all lie at address 0: a meta grad there after CPU grads is still named."""
     if not triton_scaler.kernels.unscale.is_interpreting():
         pytest.skip("CPU tensors through the interpreter")
@@ -144,7 +140,7 @@ def test_a_grad_on_another_device_at_a_stored_address_is_refused(plans):
         ops.non_finite_check_and_unscale_([meta], found, inv, backend="triton")
 
 
-def test_found_inf_on_another_device_than_stored_grads_is_refused(plans):
+def test_found_inf_on_another_device_than_earlier_grads_is_refused():
     if not triton_scaler.kernels.unscale.is_interpreting():
         pytest.skip("CPU tensors through the interpreter")
     grads = [torch.ones(5), torch.ones(7)]
@@ -155,21 +151,8 @@ def test_found_inf_on_another_device_than_stored_grads_is_refused(plans):
         ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")
 
 
-def test_grads_that_need_copies_are_planned_every_call(triton_device, plans):
-    """A gapped grad's launch reads a contiguous copy: no plan of it is kept."""
-    buffers = [torch.empty(2 * 4099 + 8, device=triton_device),
-               torch.empty(70, device=triton_device)]
-    for call in range(4):
-        _fill(buffers, seed=call)
-        _fill(_views(buffers, "strides"), seed=10 + call)
-        assert _unscale_buffers_as_torch(buffers, "strides") == 0
-    assert len(plans) == 4
-
-
-def test_a_gapped_grad_in_one_dtype_keeps_the_other_dtypes_launches_unstored(triton_device,
-                                                                              plans):
-    """A list whose first dtype's launch needs a copy and whose second's does not: no plan of
-    the list is kept (a kept one would read the gapped grad's memory as if dense)."""
+def test_a_gapped_grad_in_one_dtype_beside_a_dense_dtype_is_unscaled_as_torch(triton_device):
+    """A list whose first dtype's launch needs a copy and whose second's does not."""
     buffer = torch.empty(2 * 301, device=triton_device)
     half = torch.empty(517, device=triton_device, dtype=torch.float16)
     gapped = buffer.as_strided((301,), (2,))
@@ -178,23 +161,9 @@ def test_a_gapped_grad_in_one_dtype_keeps_the_other_dtypes_launches_unstored(tri
         if call == 3:
             gapped[-1] = math.nan
         assert _unscale_as_torch([gapped, half]) == (call == 3)
-    assert plans == [1, 1] * 4
 
 
-def test_without_tensor_guards_no_stored_plan_is_launched(triton_device, plans, monkeypatch):
-    """A torch without ``TensorGuards`` (``tensor_guards`` gives None): no stored plan is
-    launched from; every call plans, and unscales as torch's op."""
-    monkeypatch.setattr(_plan_store, "tensor_guards", lambda grads: None)
-    grads = [torch.empty(n, device=triton_device) for n in (7, 4099)]
-    for call in range(4):
-        _fill(grads, seed=call)
-        if call == 3:
-            grads[0][0] = -math.inf
-        assert _unscale_as_torch(grads) == (call == 3)
-    assert plans == [2] * 4
-
-
-def test_a_sparse_grad_among_stored_ones_is_refused(triton_device, plans):
+def test_a_sparse_grad_among_earlier_ones_is_refused(triton_device):
     grads = [torch.ones(5, device=triton_device), torch.ones(7, device=triton_device)]
     for _ in range(3):
         _unscale_as_torch(grads)
@@ -203,19 +172,3 @@ def test_a_sparse_grad_among_stored_ones_is_refused(triton_device, plans):
     with pytest.raises(TypeError, match=r"grads\[1\] is sparse"):
         ops.non_finite_check_and_unscale_([grads[0], sparse], torch.zeros((), device=triton_device),
                                           torch.tensor(INV, device=triton_device), backend="triton")
-
-
-@pytest.mark.parametrize("n_lists", [8, 9])
-def test_the_store_keeps_the_most_recent_grad_lists(triton_device, plans, n_lists, monkeypatch):
-    """Lists in turn, three rounds, in a store of 8 entries of each kind (launches, chunk
-    tables, sizes): eight are all kept (the third round plans nothing); with one more, each
-    is evicted (least recently used) before its next call, and every call plans. Every call
-    still as torch's."""
-    monkeypatch.setattr(_plan_store, "CAPACITY", 8)
-    lists = [[torch.empty(n + k, device=triton_device) for n in (3, 4097)]
-             for k in range(n_lists)]
-    for call in range(3):
-        for k, grads in enumerate(lists):
-            _fill(grads, seed=10 * call + k)
-            _unscale_as_torch(grads)
-    assert len(plans) == (2 * 8 if n_lists == 8 else 3 * 9)

@@ -211,19 +211,17 @@ def test_empty_list_and_empty_tensors(backend):
 
 @pytest.fixture
 def no_kept_plans():
-    """No chunk table, size pattern or ops plan kept from earlier tests: grads of a test
-    before, freed, leave their addresses to this one's, whose calls would then launch that
-    test's kept plans and build no table (seen with torch 2.11's allocator)."""
-    from triton_scaler import _plan_store
+    """No size pattern kept from earlier tests (whose rows this test's calls would find)."""
+    from triton_scaler import _plans
 
-    _plan_store.clear()
-    yield _plan_store
-    _plan_store.clear()
+    _plans.clear()
+    yield
+    _plans.clear()
 
 
 def test_repeated_calls_plan_once(triton_device, no_kept_plans, monkeypatch):
-    """The first call over a grad list builds and uploads its chunk table (tensor ops); the
-    same call again issues no tensor op outside its one launch."""
+    """The first call over a grad list builds and uploads its chunk table's rows (tensor
+    ops); the same call again issues no tensor op outside its one launch."""
     from _launch_counting import _launches, _Ops
 
     grads = [g.to(triton_device) for g in _grads([10, 20, 30], torch.float32)]
@@ -240,7 +238,7 @@ def test_repeated_calls_plan_once(triton_device, no_kept_plans, monkeypatch):
 
 @pytest.mark.parametrize("special", SPECIALS)
 def test_grads_at_new_addresses_with_known_sizes(triton_device, special, no_kept_plans):
-    """New starts over the kept size pattern's rows (triton_scaler/_plans.py ``_pattern``): the same sizes
+    """New starts over the kept size pattern's rows (triton_scaler/_plans.py ``_rows``): the same sizes
     at other addresses, in another address order (the first grad now above the others), with
     a non-finite value planted at the last element of the last grad, match torch's op."""
     sizes = [7, 3 * BLOCK + 5, 1, BLOCK - 1, 300]

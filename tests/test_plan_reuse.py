@@ -1,22 +1,16 @@
-"""The address-keyed launch plans of the no-bucket path stay exact when the grads'
-memory changes: grads cycling through memory layouts, empty grads first, grads assigned as
-views with gaps, channels_last and transposed grads; plans reused through one TensorGuards
-check. Each run against torch's scaler (which reads every ``.grad`` each step). The
-parameters changing: ``test_plan_reuse_params.py``."""
+"""The no-bucket path plans each step from the grads it reads (the chunk table's rows kept
+per size pattern), and stays exact when the grads' memory changes: grads cycling through
+memory layouts or at new addresses every step, empty grads first, grads assigned as views
+with gaps, channels_last and transposed grads. Each run against torch's scaler (which reads
+every ``.grad`` each step). The parameters changing: ``test_plan_reuse_params.py``."""
 
-from collections import Counter
-
-import _plan_reuse
 import pytest
 import torch
 from _launch_counting import count_calls
 from _plan_reuse import assert_matches_torch, train_in_fixed_memory
 from _util import view_in
 
-from triton_scaler import GradScaler, _plan_store, _plans
-
-tensor_guards = _plan_reuse.tensor_guards  # autouse: every test three ways
-
+from triton_scaler import GradScaler, _plans
 
 _F32, _BF16, _F64 = torch.float32, torch.bfloat16, torch.float64
 
@@ -29,9 +23,8 @@ _F32, _BF16, _F64 = torch.float32, torch.bfloat16, torch.float64
          "empty_fp64_group"])
 def test_reused_plans_with_empty_grads(backend, layout):
     """A group whose first grads are empty: the launch's base is its first non-empty grad,
-    also when the plan is reused at the next steps (same addresses). A (device, dtype) group
-    whose only grad is empty (a plan without elements) beside a float32 group is reused
-    too (the fast path looks up its base by the plan's index)."""
+    at every step. A (device, dtype) group whose only grad is empty (a plan without
+    elements) beside a float32 group launches nothing."""
     def run(scaler):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(n, dtype=dtype)) for n, dtype in layout]
@@ -49,15 +42,12 @@ def test_reused_plans_with_empty_grads(backend, layout):
     assert_matches_torch(run, backend, init_scale=4.0, growth_interval=1)
 
 
-# in a store of 4 entries of each kind, 4: as many layouts as it keeps; 5: more
-@pytest.mark.parametrize("n_layouts", [2, 4, 5])
+@pytest.mark.parametrize("n_layouts", [2, 5])
 def test_grads_cycling_through_memory_layouts(backend, n_layouts, monkeypatch):
     """Grads whose memory cycles through a few address layouts (an allocator handing back
-    the blocks of an earlier step) reuse those layouts' launch plans, and more layouts than
-    are kept replan: inf / NaN / -inf planted at the first and last element of the first and
-    last grad skip exactly torch's steps, and the parameters equal torch's."""
-    monkeypatch.setattr(_plan_store, "CAPACITY", 4)
-    _plan_store.clear()
+    the blocks of an earlier step), planned at every step: inf / NaN / -inf planted at the
+    first and last element of the first and last grad skip exactly torch's steps, and the
+    parameters equal torch's."""
     sizes = (7, 300, 1, 0, 33)
 
     def run(scaler):
@@ -83,16 +73,15 @@ def test_grads_cycling_through_memory_layouts(backend, n_layouts, monkeypatch):
 
     built = count_calls(monkeypatch, _plans, "plan_unscale", key="plans")
     assert_matches_torch(run, backend, init_scale=2.0**8, growth_interval=2)
-    if backend == "triton":  # each layout planned once while they fit, every step otherwise
-        assert built["plans"] == (n_layouts if n_layouts <= 4 else 3 * n_layouts + 2)
+    assert built["plans"] == (3 * n_layouts + 2 if backend == "triton" else 0)
 
 
-def test_plans_reused_for_groups_of_several_dtypes(backend, monkeypatch):
+def test_groups_of_several_dtypes_pick_their_grads(backend, monkeypatch):
     """Parameters of three dtypes interleaved (float32 at 0 and 2, bfloat16 at 1, float64 at
-    3): each (device, dtype) group picks its grads out of the optimizer's list, and each
-    group's plan is made at the first step and reused at the others (a group picking the
-    wrong grads would be replanned every step through the per-grad path). An inf in the
-    bfloat16 grad, a NaN in the last float32 element: torch's steps are skipped."""
+    3): each (device, dtype) group picks its grads out of the optimizer's list and is
+    planned once a step (a group picking the wrong grads would take the per-grad path, whose
+    groups plan at their launch). An inf in the bfloat16 grad, a NaN in the last float32
+    element: torch's steps are skipped."""
     def run(scaler):
         torch.manual_seed(0)
         dtypes = (torch.float32, torch.bfloat16, torch.float32, torch.float64)
@@ -113,7 +102,7 @@ def test_plans_reused_for_groups_of_several_dtypes(backend, monkeypatch):
 
     built = count_calls(monkeypatch, _plans, "plan_unscale", key="plans")
     assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
-    assert built["plans"] == (3 if backend == "triton" else 0)
+    assert built["plans"] == (3 * 6 if backend == "triton" else 0)
 
 
 @pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
@@ -124,10 +113,9 @@ def test_gapped_grad_assigned_at_the_address_and_size_of_the_grad_before_it(
     """A grad assigned as a view with gaps (``p.grad = m[:600:2]``) at exactly the address
     and size of the contiguous grad before it: the reused plan would unscale the first 300
     elements of ``m`` (half of them between the view's elements) and miss its inf; it is
-    re-planned (a copy-back launch), equal to torch, the memory between the gapped grad's
-    elements included. Assigned at the first reuse of the plans (step 1: the Python check),
-    at the second (step 2: torch's TensorGuards from the first) and later; with a new
-    parameter list too."""
+    planned as a copy-back launch, equal to torch, the memory between the gapped grad's
+    elements included; from the second, third or fourth step on, with a new parameter list
+    too."""
     def gapped(step, params, memory, opt):
         if step >= gapped_from:
             params[1].grad = memory[1][:600:2].zero_()
@@ -138,50 +126,13 @@ def test_gapped_grad_assigned_at_the_address_and_size_of_the_grad_before_it(
                           backend, init_scale=8.0, growth_interval=1)
 
 
-def test_plans_reused_through_one_tensor_guards_check(backend, tensor_guards, monkeypatch):
-    """Grads at the same addresses step after step: planned at the first step (which builds
-    the TensorGuards over them), then one TensorGuards check at each later step."""
-    if backend != "triton" or not tensor_guards:
-        pytest.skip("plans are reused on the Triton backend; the guard is torch's")
-    counts, real_guards = Counter(), _plan_store.TensorGuards
-
-    class CountingGuards:
-        def __init__(self, *grads, **kwargs):
-            counts["built"] += 1
-            self.guards = real_guards(*grads, **kwargs)
-
-        def check(self, *grads):
-            counts["checked"] += 1
-            return self.guards.check(*grads)
-
-    monkeypatch.setattr(_plan_store, "TensorGuards", CountingGuards)
-    count_calls(monkeypatch, _plans, "plan_unscale", counts, "planned")
-
-    def run(scaler):
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 300, 3)]
-        opt = torch.optim.SGD(params, lr=0.1)
-        for step in range(6):
-            opt.zero_grad(set_to_none=False)
-            scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(params))).backward()
-            if step == 4:
-                params[0].grad[0] = float("nan")
-            scaler.step(opt)
-            scaler.update()
-        return scaler.get_scale(), [p.detach().clone() for p in params]
-
-    assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
-    assert counts == {"planned": 1, "built": 1, "checked": 5}
-
-
 @pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
 @pytest.mark.parametrize("then", ["same", "contiguous", "gapped", "gapped_channels_last"])
-def test_channels_last_and_transposed_grads(backend, tensor_guards, then, monkeypatch):
+def test_channels_last_and_transposed_grads(backend, then, monkeypatch):
     """Conv weights in channels_last and a transposed weight (their grads too, by torch's
-    gradient layout contract), beside a bias: the plans, over their flat memory, are made once
-    and reused through TensorGuards (which sees strides), made each step by the Python check
-    (contiguous grads only). From step 3 the grads at the same addresses and of the same
-    sizes are contiguous, or gapped (every other element; in either layout): re-planned.
+    gradient layout contract), beside a bias: planned over their flat memory. From step 3
+    the grads at the same addresses and of the same sizes are contiguous, or gapped (every
+    other element; in either layout): planned as they are.
     inf / -inf / NaN at the first and last element of the first and last grad, equal to
     torch, the memory between the gapped grads' elements included."""
     shapes = [(8, 3, 3, 3), (5, 7, 3, 3), (7,), (4, 9)]
@@ -210,18 +161,17 @@ def test_channels_last_and_transposed_grads(backend, tensor_guards, then, monkey
         return scaler.get_scale(), [p.detach().clone() for p in params] + memory
 
     assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
-    if backend == "triton" and then == "same":
-        assert planned["plans"] == (1 if tensor_guards else 7)
+    if backend == "triton":  # one launch a step, planned at its step
+        assert planned["plans"] == 7
 
 
 @pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
 @pytest.mark.parametrize("change", ["none", "strides"])
 def test_grads_at_new_addresses_every_step(backend, change):
     """Grads at new addresses at every step (views into one buffer, shifted and in another
-    order each step: an allocator handing out other blocks), each step planned against the
-    layout the last planning checked: exact, with an inf planted at a grad's last element and
-    NaN between the grads; a grad turned transposed at new addresses (``strides``) is checked
-    and planned anew."""
+    order each step: an allocator handing out other blocks): exact, with an inf planted at
+    a grad's last element and NaN between the grads; a grad turned transposed at new
+    addresses (``strides``) is planned as it is."""
     def run(scaler):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((7,), (20, 15), (33,))]
@@ -249,16 +199,15 @@ def test_grads_at_new_addresses_every_step(backend, change):
     assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
 
 
-def test_grads_planned_again_at_the_same_addresses_issue_no_tensor_op(backend, tensor_guards,
-                                                                       monkeypatch):
-    """Grads at their addresses of the step before, planned again where the kept plans'
-    check fails (here under a TorchDispatchMode, which torch's TensorGuards see): the chunk
-    table comes from the store, so the step's unscale issues no tensor op besides its
-    launch, and steps as torch's."""
+def test_a_steady_step_issues_no_tensor_op_besides_its_launch(backend, monkeypatch):
+    """Grads of the sizes of the step before, at their addresses or at new ones: the step's
+    unscale plans once (the chunk table's rows from the memo of its size pattern, the
+    starts an array over the addresses) and issues no tensor op besides its launch; steps as
+    torch's."""
     from _launch_counting import _launches, _Ops
 
-    if backend != "triton" or not tensor_guards:
-        pytest.skip("plans are kept on the Triton backend; the guard is torch's")
+    if backend != "triton":
+        pytest.skip("planning is the Triton backend's")
     counts = count_calls(monkeypatch, _plans, "plan_unscale")
     issued = []
 
@@ -267,13 +216,13 @@ def test_grads_planned_again_at_the_same_addresses_issue_no_tensor_op(backend, t
         params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 300, 3)]
         opt = torch.optim.SGD(params, lr=0.1)
         with _launches(monkeypatch):
-            for step in range(4):
-                opt.zero_grad(set_to_none=False)
+            for step in range(5):
+                opt.zero_grad(set_to_none=step < 3)  # at new addresses, then the same
                 scaler.scale(sum((p * (i + 1)).square().sum() for i, p in enumerate(params))
                              ).backward()
-                if step == 3:
+                if step == 4:
                     params[1].grad[-1] = float("inf")
-                if step >= 2 and isinstance(scaler, GradScaler):
+                if step >= 1 and isinstance(scaler, GradScaler):
                     before = counts["plan_unscale"]
                     with _Ops() as mode:
                         scaler.unscale_(opt)
@@ -283,4 +232,4 @@ def test_grads_planned_again_at_the_same_addresses_issue_no_tensor_op(backend, t
         return scaler.get_scale(), [p.detach().clone() for p in params]
 
     assert_matches_torch(run, backend, init_scale=8.0, growth_interval=1)
-    assert issued == [(0, 1), (0, 0)], issued  # planned again once, under the mode
+    assert issued == [(0, 1)] * 4, issued

@@ -1,4 +1,4 @@
-"""The address-keyed launch plans of the no-bucket path stay exact when the
+"""The no-bucket path, which plans each step from the grads it reads, stays exact when the
 parameters change: swapped into ``param_groups`` (also with its grad in the old grad's memory),
 swapped out (freed), converted or resized in place (also with new grads at the old grads'
 addresses). Each run against torch's scaler (which reads every ``.grad`` each step). The
@@ -7,7 +7,6 @@ grads' memory changing: ``test_plan_reuse.py``."""
 import gc
 import weakref
 
-import _plan_reuse
 import pytest
 import torch
 from _launch_counting import count_calls
@@ -15,8 +14,6 @@ from _plan_reuse import assert_matches_torch, train_in_fixed_memory
 from _util import assert_all_same
 
 from triton_scaler import GradBuckets, GradScaler, _grads, _plans
-
-tensor_guards = _plan_reuse.tensor_guards  # autouse: every test three ways
 
 
 def _train_swapping(scaler, steps=6, swap_at=2, overflow=((4, 1),), buckets=False):

@@ -1,12 +1,11 @@
 """Several threads at once, each with its own grads (or its own model, optimizer and scaler):
-the stores that every caller shares (planning's, ``triton_scaler._plan_store``: launch plans,
-chunk tables; the launcher's compiled launches, ``kernels.launcher``) stay usable, and each
-thread's results equal torch's.
+the memos that every caller shares (planning's rows per size pattern, ``_plans._patterns``;
+the launcher's compiled launches, ``kernels.launcher``) stay usable, and each thread's results
+equal torch's.
 
-A lookup in such a store reads an entry, then moves it to the end; another thread may evict
-it in between (its own launch filled the store). ``_EvictedOnRead`` (the launcher's dict) and
-``_EmptiedAfterCopy`` (planning's list) make that happen at every lookup, so the tests below
-see it every time (before, a ``KeyError``).
+A lookup in such a memo reads an entry, then moves it to the end; another thread may evict
+it in between (its own launch filled the memo). ``_EvictedOnRead`` makes that happen at every
+lookup, so the tests below see it every time (before, a ``KeyError``).
 The threaded tests force a thread switch every microsecond. Triton's interpreter is not
 thread-safe (it patches ``triton.language`` while a kernel runs): on CPU the interpreter's
 kernel runs are serialised by a lock, and the host work around them, where the caches are
@@ -27,7 +26,7 @@ from test_launcher import _Kernel, _launch, direct  # noqa: F401 (direct: a fixt
 from triton_scaler.kernels import launcher
 
 import triton_scaler
-from triton_scaler import _plan_store, _plans, ops
+from triton_scaler import _plans, ops
 
 
 class _EvictedOnRead(OrderedDict):
@@ -39,84 +38,15 @@ class _EvictedOnRead(OrderedDict):
         return value
 
 
-class _EmptiedAfterCopy(list):
-    """A list cache that another thread empties right after this thread has copied it."""
-
-    def __getitem__(self, index):
-        value = super().__getitem__(index)
-        if isinstance(index, slice):
-            self.clear()
-        return value
-
-
-def test_a_store_entry_evicted_after_its_read_is_still_returned(monkeypatch):
-    entries = _EmptiedAfterCopy([(("k", 1), "a"), (("k", 2), "b")])
-    monkeypatch.setattr(_plan_store, "_entries", {"k": entries})
-    assert _plan_store.lookup(("k", 2)) == "b"  # the newest: no move
-    assert entries == []
-    entries.extend([(("k", 1), "a"), (("k", 2), "b")])
-    assert _plan_store.lookup(("k", 1)) == "a"  # moved to the end: the copy written back
-    assert entries == [(("k", 2), "b"), (("k", 1), "a")]
-
-
-def test_the_store_compares_keys_and_never_hashes_them(monkeypatch):
-    """Keys of one kind (their first item) compared with ``==``: list items, which a hash
-    would refuse, are found; each kind keeps its ``CAPACITY`` most recently used."""
-    monkeypatch.setattr(_plan_store, "_entries", {})
-    monkeypatch.setattr(_plan_store, "CAPACITY", 3)
-    _plan_store.keep(("other", [0]), "of another kind")
-    for key in (("k", [1, 2]), ("k", [1, 3]), ("k", [2, 2]), ("k", [3, 3])):
-        _plan_store.keep(key, str(key[1]))
-    entries = _plan_store._entries["k"]
-    assert [k[1] for k, _ in entries] == [[1, 3], [2, 2], [3, 3]]  # the oldest dropped
-    assert _plan_store.lookup(("k", [1, 3])) == "[1, 3]"  # equal, not the same object
-    assert [k[1] for k, _ in entries] == [[2, 2], [3, 3], [1, 3]]  # made the newest
-    assert _plan_store.lookup(("k", [1, 2])) is None
-    # an equal key (not the oldest: its eviction would hide a duplicate) replaced, not added
-    assert _plan_store.keep(("k", [3, 3]), "again") == "again"
-    assert entries == [(("k", [2, 2]), "[2, 2]"), (("k", [1, 3]), "[1, 3]"),
-                       (("k", [3, 3]), "again")]
-    _plan_store.drop(("k", [2, 2]))
-    _plan_store.drop(("k", [9]))
-    assert [k[1] for k, _ in entries] == [[1, 3], [3, 3]]
-    assert _plan_store.count("other") == 1 and _plan_store.lookup(("other", [0])) is not None
-    monkeypatch.setattr(_plan_store, "CAPACITY", 0)
-    _plan_store.keep(("k", [4]), "kept by none")  # capacity 0: nothing kept
-    assert entries == []
-
-
-def test_a_chunk_table_evicted_between_lookup_and_use(monkeypatch, triton_device):
+def test_a_size_pattern_evicted_between_lookup_and_use(monkeypatch, triton_device):
     grads = [torch.ones(n, device=triton_device) for n in (5, 4099, 1)]
     numels = tuple(g.numel() for g in grads)
     table, starts, _ = _plans.chunk_table(grads, numels, 4096)
-    for kind in ("table", "sizes"):
-        monkeypatch.setitem(_plan_store._entries, kind,
-                            _EmptiedAfterCopy(_plan_store._entries[kind]))
-    assert _plans.chunk_table(grads, numels, 4096)[1] is starts  # the kept one, then evicted
-    again, again_starts, _ = _plans.chunk_table(grads, numels, 4096)  # built anew: all of it
+    monkeypatch.setattr(_plans, "_patterns", _EvictedOnRead(_plans._patterns))
+    assert _plans.chunk_table(grads, numels, 4096)[0] is table  # the kept one, then evicted
+    again, again_starts, _ = _plans.chunk_table(grads, numels, 4096)  # built anew
+    assert again is not table
     assert torch.equal(again, table) and torch.equal(again_starts, starts)
-
-
-def test_kept_ops_plans_evicted_between_lookup_and_launch(monkeypatch, triton_device):
-    scale = 2.0 ** 3
-    grads = [torch.full((n,), scale, device=triton_device) for n in (3, 17, 4100)]
-    grads[1][-1] = math.inf
-    found, inv = torch.zeros((), device=triton_device), torch.full((), 0.5,
-                                                                   device=triton_device)
-    _plan_store.clear()
-    for _ in range(2):  # the second call at these addresses stores the guard
-        ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")
-    monkeypatch.setitem(_plan_store._entries, "ops",
-                        _EmptiedAfterCopy(_plan_store._entries["ops"]))
-    ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")  # kept, evicted
-    ops.non_finite_check_and_unscale_(grads, found, inv, backend="triton")  # planned anew
-    expected = [torch.full((n,), scale, device=triton_device) for n in (3, 17, 4100)]
-    expected[1][-1] = math.inf
-    expected_found = torch.zeros((), device=triton_device)
-    for _ in range(4):
-        torch._amp_foreach_non_finite_check_and_unscale_(expected, expected_found, inv)
-    assert_all_same(grads, expected)
-    assert_all_same([found], [expected_found])
 
 
 @pytest.mark.usefixtures("direct")
@@ -186,9 +116,9 @@ def _grad_lists(seed: int, device: torch.device) -> list[list[torch.Tensor]]:
 
 
 def test_ops_from_several_threads_equal_torch(switching_threads, triton_device, monkeypatch):
-    """4 threads x 3 grad lists: 12 lists in turn, more than the store keeps of each kind
-    (here 8): plans, tables and size patterns evicted and made again meanwhile."""
-    monkeypatch.setattr(_plan_store, "CAPACITY", 8)
+    """4 threads x 3 grad lists: 12 lists in turn, more than planning's memo keeps (here 8):
+    size patterns evicted and made again meanwhile."""
+    monkeypatch.setattr(_plans, "PATTERNS_KEPT", 8)
     calls = 9
     inv = torch.full((), 2.0 ** -7, device=triton_device)
 
@@ -200,7 +130,7 @@ def test_ops_from_several_threads_equal_torch(switching_threads, triton_device, 
             found.append(flag)
         return lists, found
 
-    _plan_store.clear()
+    _plans.clear()
     for i, (lists, found) in enumerate(_in_threads(work, 4)):
         expected = [[g.cpu() for g in grads] for grads in _grad_lists(i, triton_device)]
         expected_found = []

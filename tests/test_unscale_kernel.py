@@ -1,13 +1,12 @@
 """``launch_unscale`` (``kernels/unscale.py``) called on its own, over plans of
 ``triton_scaler._plans``: its defaults, what it returns (nothing, or a norm partial sum of the
-grads' precision, also for no elements), a plan and a kept plan's template rebased alike,
-and a plan cut in the blocks the kernel is launched with.
+grads' precision, also for no elements), and a plan cut in the blocks the kernel is
+launched with.
 
 The kernel's results are tested against torch's op through the ops and the scalers
 (``test_ops_unscale.py``, ``test_clip*.py``), which always pass ``write`` and read the norm
 into their own precision; mutation testing found each of these left unchecked there."""
 
-import math
 
 import pytest
 import torch
@@ -96,23 +95,6 @@ def test_the_norm_is_summed_in_the_grads_precision(triton_device, dtype, norm_ty
     else:  # the blocks' order of summation is the kernel's: within the precision's ulps
         expected = sum((v.double() ** 2).sum() for v in values).to(wide)
         torch.testing.assert_close(norm.cpu(), expected, rtol=1e-6, atol=0)
-
-
-@pytest.mark.parametrize("write", [True, False])
-def test_a_plan_and_its_template_rebased_launch_alike(triton_device, write):
-    """A kept template (no grads), rebased on its base grad, launches as the plan it was
-    made from (a NaN planted in the last grad's last element is flagged by both)."""
-    grads = _grads([9, 4, 130], torch.float16, triton_device, seed=5)
-    grads[-1][-1] = math.nan
-    twins = [g.clone() for g in grads]
-    found, found_twin = _zeros(triton_device), _zeros(triton_device)
-    inv = torch.tensor(0.5, device=triton_device)
-    launch_unscale(grads, found, inv, write=write)
-    template = plan_unscale(twins).template()
-    assert template.base is None
-    _launch_unscale(template.rebased(twins[template.base_index]), found_twin, inv, write=write)
-    assert_all_same(grads, twins)
-    assert found.item() == found_twin.item() == 1.0
 
 
 def test_float64_grads_are_clipped_by_a_float64_coefficient(triton_device):

@@ -90,7 +90,7 @@ def test_grads_over_hundreds_of_programs_finish_as_the_registered_op_finishes(
     from triton_scaler.kernels import unscale
 
     if unscale.is_interpreting():  # the same rounds over fewer elements
-        monkeypatch.setattr(unscale, "INTERPRETER_BLOCK", 64)
+        monkeypatch.setattr(unscale, "BLOCK", 64)
     block = unscale.block()
     sizes = (300 * block + 5, 129 * block, 3, 257 * block - 1)
     gen = torch.Generator().manual_seed(1)

@@ -21,7 +21,7 @@ import torch
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 
-def _own_code(wrapper: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
+def own_code(wrapper: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
     """Give ``wrapper`` a code object of its own, named after ``fn``: dynamo keeps its compiled
     frames per code object, so one shared wrapper code would hold every decorated call's
     entries in one cache (recompiling as calls alternate, up to its size limit)."""
@@ -33,10 +33,9 @@ def _own_code(wrapper: Callable[..., Any], fn: Callable[..., Any]) -> Callable[.
     return wrapper
 
 
-def is_traced() -> bool:
-    """Whether dynamo is tracing the caller (``torch.compile``). In eager code one plain call
-    (``is_dynamo_compiling`` is ``return False`` outside dynamo)."""
-    return torch.compiler.is_dynamo_compiling()
+#: Whether dynamo is tracing the caller (``torch.compile``): torch's own function, so that
+#: asking costs no call into this module (in eager code ``is_dynamo_compiling`` returns False).
+is_traced = torch.compiler.is_dynamo_compiling
 
 
 def run_eagerly(fn: Callable[..., Any], *args: Any, recursive: bool = True, **kwargs: Any) -> Any:
@@ -57,7 +56,7 @@ def eager_frame(fn: _Fn) -> _Fn:
         if is_traced():
             return run_eagerly(fn, *args, recursive=False, **kwargs)
         return fn(*args, **kwargs)
-    return cast(_Fn, _own_code(wrapper, fn))
+    return cast(_Fn, own_code(wrapper, fn))
 
 
 def never_traced(fn: _Fn) -> _Fn:
@@ -69,21 +68,4 @@ def never_traced(fn: _Fn) -> _Fn:
         if is_traced():
             return run_eagerly(fn, *args, **kwargs)
         return fn(*args, **kwargs)
-    return cast(_Fn, _own_code(wrapper, fn))
-
-
-def traced_when(can_trace: Callable[..., bool]) -> Callable[[_Fn], _Fn]:
-    """Decorate a scaler method: traced code runs the method itself (the same body as in
-    eager code) when ``can_trace(self, name, args, kwargs)``, else the method eagerly (a graph
-    break; an error under ``fullgraph=True``). Eager code calls the method directly."""
-
-    def decorate(method: _Fn) -> _Fn:
-        name = method.__name__
-
-        @functools.wraps(method)
-        def wrapper(self, *args, **kwargs):
-            if is_traced() and not can_trace(self, name, args, kwargs):
-                return run_eagerly(method, self, *args, **kwargs)
-            return method(self, *args, **kwargs)
-        return cast(_Fn, _own_code(wrapper, method))
-    return decorate
+    return cast(_Fn, own_code(wrapper, fn))

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.library import custom_op
 
-from . import _backend, _plan_store, _plans, reference
+from . import _backend, _plans, reference
 from ._backend import resolve_backend, triton_kernels
 from ._bucket import before_backward
 from ._compile import is_traced, run_eagerly
@@ -120,30 +120,18 @@ def _watch_stats_impl(grads: list[torch.Tensor], inv_scale: torch.Tensor,
     if resolve_backend(backend, grads[0].device) == "triton":
         kernels = _backend.loaded_kernels or triton_kernels()
         plan = _plans.plan_unscale(grads)
-        ranges = _plans.program_ranges(plan, grads, kernels.unscale.block()) \
+        ranges = _plans.program_ranges(plan, grads, kernels.unscale.BLOCK) \
             if plan.reusable else None
         if ranges is not None:
             device = grads[0].device
             out = torch.empty((len(grads), 5), dtype=torch.float64, device=device)
+            table = _plans.finish_table(
+                plan.grid, [(begin, end, k) for k, (begin, end) in enumerate(ranges)], device)
             kernels.launch_unscale(plan, torch.zeros((), device=device), inv_scale,
                                    write=False, stats=_plans.finish_buffers(
-                                       plan.grid, *_finish_table(plan.grid, ranges, device),
-                                       len(grads), out))
+                                       plan.grid, *table, len(grads), out))
             return out
     return reference.grad_stats(grads, inv_scale)
-
-
-def _finish_table(grid: int, ranges: list[tuple[int, int]], device: torch.device
-                  ) -> tuple[torch.Tensor, int]:
-    """The finishing table of a launch over grads whose programs are ``ranges``, into rows
-    ``0..n-1``, and its groups (:func:`_plans.finish_table`), made once per pattern (kept in
-    planning's store)."""
-    key = ("stats", device, grid, tuple(ranges))
-    kept = _plan_store.lookup(key)
-    if kept is None:
-        kept = _plan_store.keep(key, _plans.finish_table(
-            grid, [(begin, end, k) for k, (begin, end) in enumerate(ranges)], device))
-    return kept
 
 
 def _watch_stats_fake(grads, inv_scale, backend) -> torch.Tensor:
@@ -162,16 +150,20 @@ def note_backward(token: torch.Tensor) -> None:
 def scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
                   policy: ScalePolicy, *, hysteresis_tracker: torch.Tensor | None,
                   skipped: torch.Tensor, skipped_count: torch.Tensor,
-                  params: torch.Tensor, backend: str,
-                  bound: Callable[[], Callable[[], None]], watch: Any = None) -> None:
-    """:meth:`GradScaler.update`'s one launch: eager code calls what ``bound()`` returns
-    (:func:`bind_scaler_update`, kept by the scaler, a ``watch``'s record included); traced
-    code records for the ``watch`` (a :class:`~.telemetry.GradWatch`) in torch's ops, then
-    calls the registered op, handed this iteration's overflow as a flag of its own, the flags
-    zeroed after it (inductor in older torch mistranslated a copy of the flags, a view of the
-    scale's buffer)."""
+                  params: torch.Tensor, backend: str, skipped_bytes: torch.Tensor | None = None,
+                  watch: Any = None) -> None:
+    """:meth:`GradScaler.update`'s one launch (:func:`bind_scaler_update`), a ``watch``'s
+    record (a :class:`~.telemetry.GradWatch`) included; ``skipped_bytes``: ``skipped``'s
+    ``uint8`` view, when made. Traced code records for the watch in torch's ops, then calls
+    the registered op, handed this iteration's overflow as a flag of its own, the flags
+    zeroed after it (inductor in older torch mistranslated a copy of the flags, a view of
+    the scale's buffer)."""
     if not is_traced():
-        bound()()
+        bind_scaler_update(
+            scale, growth_tracker, flags, policy, hysteresis_tracker=hysteresis_tracker,
+            skipped=skipped if skipped_bytes is None else skipped_bytes,
+            skipped_count=skipped_count, backend=backend, params=params,
+            watch=None if watch is None else watch.update_tensors(scale.device))()
         return
     if watch is not None:  # the overflow and the scale it came at
         reference.record_watch_(flags, policy.skip_on_overflow, scale,
@@ -191,8 +183,8 @@ def bind_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags:
                        params: torch.Tensor | None,
                        watch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                        ) -> Callable[[], None]:
-    """The whole of :meth:`GradScaler.update` on the device, bound once: each call of the
-    result is one update. An overflow is any non-zero entry of ``flags`` (1-D fp32, one per
+    """The whole of :meth:`GradScaler.update` on the device, bound: each call of the result
+    is one update. An overflow is any non-zero entry of ``flags`` (1-D fp32, one per
     optimizer); it is recorded in ``skipped`` (0-d bool, or its ``uint8`` view, made once by
     the scaler) and ``skipped_count`` (0-d int64) when ``policy.skip_on_overflow``, the scale
     is updated when ``policy.dynamic``, and ``flags`` is zeroed; ``watch``: a watch's
@@ -258,9 +250,7 @@ def _plain_tensors(tensors: Sequence) -> bool:
 
 
 def _unscale_or_check(grads, found_inf, inv_scale, backend, write) -> None:
-    """The public ops' work, arguments checked (also the registered ops' implementation).
-    On Triton, grads at the addresses of a recent list, laid out as it was, launch that
-    list's plans again (:func:`._plans.ops_plans`)."""
+    """The public ops' work, arguments checked (also the registered ops' implementation)."""
     grads = as_tensor_list(grads)
     check_flag("found_inf", found_inf, torch.float32)
     check_flag("inv_scale", inv_scale, torch.float32)
@@ -286,11 +276,13 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write) -> None:
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
             group_grads(grads, device, plain)  # raises the clearer error, if it finds one
             raise
-    elif resolved == "triton":  # plans kept for grads at the same addresses (subclasses
-        # were unwrapped or refused above: what is not plain is no tensor, which group_grads refuses)
+    elif resolved == "triton":  # subclasses were unwrapped or refused above: what is not
+        # plain is no tensor, which group_grads refuses; every write refused before the first
         kernels = triton_kernels()
-        for plan in _plans.ops_plans(grads, device, write,
-                                     lambda: group_grads(grads, device, plain)):
+        plans = [_plans.plan_unscale(members) for members in group_grads(grads, device, plain)]
+        for plan in plans if write else ():
+            _plans.refuse_overlapping_writes(plan)
+        for plan in plans:
             kernels.launch_unscale(plan, found_inf, inv_scale, write=write)
     else:
         for members in group_grads(grads, device, plain):

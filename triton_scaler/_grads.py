@@ -1,18 +1,12 @@
 """The gradients :class:`triton_scaler.GradScaler` works on, grouped as torch groups them.
 
-The grouping is cached per optimizer and checked, each step, against the optimizer's live
-parameter lists (the same list objects, of the same lengths); an identity pass over the
-parameters only when GradBuckets hold some of them and not the others (without buckets each
-step reads the grads of the optimizer's own lists, so a parameter swapped into one is seen
-through its grad; GradBuckets fix their parameters when built). A step
-whose grads are those of the last step, or new grads at the same addresses and of the same
-types, dtypes, devices, shapes and strides, costs: nothing per parameter when GradBuckets hold
-every grad; otherwise one C-level pass reading the grads, one reading their addresses and one
-C++ call checking the rest (torch's own tensor guard), then the last step's launch plans (no
-hashing, no table).
-Grads back at the addresses of one of the last few steps (an allocator whose blocks cycle)
-add a comparison of their addresses with those steps' (no hash: a comparison with other
-addresses stops at the first that differs).
+The grouping is cached per optimizer (:func:`_layout_of`) and checked, each step, against the
+optimizer's live parameter lists (the same list objects, of the same lengths); an identity
+pass over the parameters only when GradBuckets hold some of them and not the others. Each
+step then reads the grads of those parameters in C-level passes (their types, sizes, dtypes,
+devices and addresses) and plans each Triton launch from them (:mod:`._plans`, whose rows
+are kept per size pattern): no per-address state, so grads at new addresses cost what grads
+at the same addresses cost.
 """
 
 from __future__ import annotations
@@ -20,21 +14,17 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import defaultdict
-from typing import TYPE_CHECKING, cast
 from weakref import WeakKeyDictionary
 
 import torch
 
-from . import _plan_store, _plans
+from . import _plans
 from ._backend import resolve_backend
 from ._bucket import _REGISTRY_ATTR, buckets_of
 from ._compile import is_traced
 from ._distributed import add_groups, local_grad
 from ._op_args import FLOAT_DTYPES, check_grad_dtype
-from ._plan_store import StoredLaunches, tensor_guards
-
-if TYPE_CHECKING:
-    from ._plans import UnscalePlan
+from ._plans import UnscalePlan
 
 _GRAD = operator.attrgetter("grad")
 _PARAMS = operator.itemgetter("params")
@@ -42,6 +32,7 @@ _DTYPE = operator.attrgetter("dtype")
 _DEVICE_INDEX = torch.Tensor.get_device
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
 
 class PerDevice:
     """torch's ``_MultiDeviceReplicator`` (a 0-d tensor's copy per device, made once), code
@@ -76,7 +67,7 @@ class GradGroup:
                  padding=None, mesh_groups=None, reference=False, params=None,
                  indices=None, bucket=None) -> None:
         self.device, self.grads, self.numels, self.addresses = device, grads, numels, addresses
-        # base: the launch's base grad when ``plan`` is a kept template (which holds none)
+        # base: the launch's base tensor when ``plan`` holds none (a watch's stand-in)
         self.plan, self.base = plan, base
         self.reference = reference  # known to run on the reference path (no plan)
         self.padding = padding  # a bucket's (GradBucket.padding)
@@ -100,8 +91,9 @@ class GradGroup:
 class _Layout:
     """What an optimizer's parameters look like: built once per parameter layout."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, signature: tuple) -> None:
-        self.signature: tuple | None = signature  # buckets.param_lists(); None: rebuild
+    def __init__(self, optimizer: torch.optim.Optimizer, signature: tuple, backend: str) -> None:
+        self.signature: tuple | None = signature  # param_lists(); None: rebuild
+        self.backend = backend
         self.buckets = list(buckets_of(optimizer))
         self.n_buckets = len(self.buckets)
         # (the buffers live as long as the buckets)
@@ -128,14 +120,13 @@ class _Layout:
         by_key: dict[tuple, list[int]] = defaultdict(list)
         for i, p in enumerate(outside):
             by_key[p.device, p.dtype].append(i)
-        # (device, dtype, picks the group's items out of a list over the outside parameters,
-        # their indices in that list)
-        self.plain_groups = [(device, dtype, _picker(indices, len(outside)), indices)
+        # (device, its index as Tensor.get_device gives it, dtype, picks the group's items out
+        # of a list over the outside parameters, their indices in that list, whether the group
+        # runs on Triton)
+        self.plain_groups = [(device, _index(device), dtype, _picker(indices, len(outside)),
+                              indices, resolve_backend(backend, device) == "triton")
                              for (device, dtype), indices in by_key.items()]
         self.has_fp16 = any(dtype == torch.float16 for _, dtype in by_key)
-        #: the last planned grads outside buckets that passed every check: (TensorGuards over
-        #: them, their sizes, their dtypes, whether every one was contiguous)
-        self.known: tuple | None = None
 
     def is_current(self, optimizer: torch.optim.Optimizer) -> bool:
         """The optimizer still holds these parameter objects. One C-level identity pass when
@@ -188,16 +179,22 @@ def same_param_lists(known: tuple | None, param_groups: list[dict]) -> bool:
 _layouts: WeakKeyDictionary = WeakKeyDictionary()
 
 
-def _layout_of(optimizer: torch.optim.Optimizer) -> _Layout:
+def _layout_of(optimizer: torch.optim.Optimizer, backend: str) -> _Layout:
+    """The optimizer's :class:`_Layout`: a cache keyed by the optimizer (weakly) and the
+    backend, kept while the optimizer holds the same parameter lists of the same lengths, the
+    same number of gradient buckets and (:meth:`_Layout.is_current`) the same parameters;
+    built again otherwise, or when a step found a grad of another dtype or device than its
+    group's (``signature`` None)."""
     groups = optimizer.param_groups
     try:
         layout = _layouts.get(optimizer)
     except TypeError:  # an optimizer-like object that takes no weak reference (__slots__
-        return _Layout(optimizer, param_lists(groups))  # without __weakref__): not kept
-    if layout is None or not same_param_lists(layout.signature, groups) or \
+        return _Layout(optimizer, param_lists(groups), backend)  # without __weakref__)
+    if layout is None or layout.backend != backend or \
+            not same_param_lists(layout.signature, groups) or \
             layout.n_buckets != len(getattr(optimizer, _REGISTRY_ATTR, ())) or \
             not layout.is_current(optimizer):
-        layout = _layouts[optimizer] = _Layout(optimizer, param_lists(groups))
+        layout = _layouts[optimizer] = _Layout(optimizer, param_lists(groups), backend)
     return layout
 
 
@@ -207,9 +204,9 @@ def collect_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: s
     (one launch each) and, by device, the process groups their DTensor grads are sharded over.
 
     Eager code (:func:`grad_groups`): each gradient bucket's buffer as one group (the buckets'
-    records give ``grad = None`` where no gradient came), the other grads by (device, dtype)
-    with the launch plans kept for their addresses; before a write over several groups, every
-    refusal (grads sharing memory) is raised before anything is written. Traced code: a
+    records give ``grad = None`` where no gradient came), the other grads by (device, dtype),
+    each Triton group planned; before a write over several groups, every refusal (grads
+    sharing memory) is raised before anything is written. Traced code: a
     plain loop over the grads (a bucket's grads are its views), grouped by (device, dtype)
     in order of first appearance, as torch groups them (:func:`_groups_slow`; no addresses,
     no host records)."""
@@ -218,9 +215,9 @@ def collect_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: s
                             allow_fp16, backend)
     groups, mesh_groups = grad_groups(optimizer, allow_fp16, backend)
     if write:
-        for group in groups:  # kept plans (a step's usual case) were refused when planned
+        for group in groups:
             plan = group.plan
-            if not group.reference and (plan is None or not plan.reusable):
+            if not group.reference and (plan is None or plan.refusal is not None):
                 _plans.refuse_group_writes(groups, backend)
                 break
     return groups, mesh_groups
@@ -231,7 +228,7 @@ def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str
     """``([GradGroup], mesh groups by device)``: each gradient bucket's buffer as its own
     group, then the other grads grouped by (device, dtype) as torch. DTensor grads (FSDP2) are
     their local shards; their mesh is returned for agreement."""
-    layout = _layout_of(optimizer)
+    layout = _layout_of(optimizer, backend)
     fp16 = torch.float16
     flat: list[GradGroup] = []
     helds = []
@@ -265,93 +262,35 @@ def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str
 
 def _groups_fast(layout: _Layout, params: list[torch.Tensor],
                  backend: str) -> list[GradGroup] | None:
-    """The groups of ``params``' grads with C-level passes only, or None (the
-    per-grad path) when a grad is None, sparse, not a plain tensor, or not of its parameter's
-    dtype and device as the layout knows them.
-
-    Grads at the addresses of a step whose launches planning's store still keeps (the last
-    step's, or an earlier one's: an allocator cycling its blocks) and laid out as they were
-    (:meth:`StoredLaunches.fit`) reuse those launch plans: one pass reading the grads, one
-    reading their addresses, one C++ call (channels_last and other dense grads too). Caught
-    there: a parameter resized or converted in place (``param.data = ...``,
-    ``module.half()``) whose new grad lands at its old grad's address, a grad assigned as a
-    view with gaps (``p.grad = m[::2]``) or in another memory format at the address and with
-    the size of the grad before it, a parameter swapped into the optimizer's list (its grad
-    is what is read); a grad on another device has another
-    address (each device has its own address range)."""
+    """The groups of ``params``' grads, each Triton group planned, with C-level passes over
+    the grads (types, sizes, dtypes, device indices, addresses, contiguity), or None (the
+    per-grad path) when a grad is None, sparse or not a plain tensor. A grad of another dtype
+    or device than its group's parameters (converted in place: ``param.data = ...``,
+    ``module.half()``) takes the per-grad path too, and the layout is built again at the
+    next step."""
     grads = list(map(_GRAD, params))
+    if set(map(type, grads)) != {torch.Tensor}:
+        return None
     try:
         addresses = tuple(map(_DATA_PTR, grads))
-    except (TypeError, RuntimeError):  # a None grad (no data_ptr), a sparse one
+    except RuntimeError:  # a sparse grad (no data pointer)
         return None
-    # the newest entries first: no hash; a comparison with other addresses stops at the
-    # first that differs
-    key = ("grads", backend, addresses)
-    stored = _plan_store.lookup(key)
-    if stored is not None and stored.fit(grads):
-        groups = []
-        for (device, _, pick, indices), (index, template) in zip(layout.plain_groups,
-                                                                  stored.launches):
-            members = pick(grads)
-            base = grads[index]  # the group's first non-empty grad (reference: its first)
-            if base.device != device:
-                break
-            groups.append(GradGroup(device, members, plan=template, base=base,
-                                    reference=template is None, params=params,
-                                    indices=indices))
-        else:
-            return groups
-    return _groups_planned(layout, key, grads, params)
-
-
-def _groups_planned(layout: _Layout, key: tuple, grads: list[torch.Tensor],
-                    params: list[torch.Tensor]) -> list[GradGroup] | None:
-    """New launch plans (a chunk table each) after checking every grad's type, dtype,
-    device and size; stored for the next step's :func:`_groups_fast`. Grads laid out as the
-    layout's last planned ones (its guard: one C++ call) need no Python pass but over their
-    addresses (new grads at new addresses: an allocator that hands out other blocks)."""
-    _, backend, addresses = key
-    known = layout.known
-    if known is not None and known[0].check(*grads):
-        guard, numels, dtypes, contiguous = known
-    else:
-        if set(map(type, grads)) != {torch.Tensor}:
-            return None
-        guard, contiguous = None, None
-        numels, dtypes = tuple(map(_NUMEL, grads)), tuple(map(_DTYPE, grads))
+    numels, dtypes = tuple(map(_NUMEL, grads)), tuple(map(_DTYPE, grads))
     groups: list[GradGroup] = []
-    # None: a plan that cannot be kept; (index, None): a group on the reference path
-    launches: list[tuple[int, UnscalePlan | None] | None] = []
-    for device, dtype, pick, indices in layout.plain_groups:
+    for device, index, dtype, pick, indices, triton in layout.plain_groups:
         members = pick(grads)
-        # each grad's dtype and device index, then the device itself through the first grad
-        # (torch.device objects cost an allocation per grad)
-        if guard is None and (dtype not in FLOAT_DTYPES or set(pick(dtypes)) != {dtype} or
-                              set(map(_DEVICE_INDEX, members)) != {_index(device)} or
-                              members[0].device != device):
+        if dtype not in FLOAT_DTYPES or set(pick(dtypes)) != {dtype} or \
+                set(map(_DEVICE_INDEX, members)) != {index} or members[0].device != device:
             layout.signature = None  # parameters converted in place: rebuild next step
             return None
-        group = GradGroup(device, members, tuple(pick(numels)), tuple(pick(addresses)),
-                          params=params, indices=indices)
-        if resolve_backend(backend, device) == "triton":
-            plan = group.launch_target(contiguous)
-            launches.append((indices[plan.base_index], plan.template()) if plan.reusable
-                            else None)
-        else:  # the reference path plans nothing: kept are the checks above
-            group.reference = True
-            launches.append((indices[0], None))
+        whole = len(indices) == len(grads)
+        group = GradGroup(device, members, numels if whole else tuple(pick(numels)),
+                          addresses if whole else tuple(pick(addresses)), params=params,
+                          indices=indices, reference=not triton)
+        if triton:
+            group.plan = _plans.plan_unscale(members, group.numels, group.addresses,
+                                             all(map(_IS_CONTIGUOUS, members)))
         groups.append(group)
-    if guard is None:  # every check passed: these grads' layout, for the next new addresses
-        guard = tensor_guards(grads)
-        contiguous = all(g.plan is None or g.plan.contiguous for g in groups)
-        layout.known = None if guard is None else (guard, numels, dtypes, contiguous)
-    if None in launches:  # a plan that cannot be kept (contiguous copies, shared memory)
-        _plan_store.drop(key)
-    elif guard is not None or contiguous:  # else (no guard) only contiguous grads are checked
-        kept = cast("list[tuple[int, UnscalePlan | None]]", launches)  # none is None
-        _plan_store.keep(key, StoredLaunches(kept, numels, dtypes, guard))
-    else:
-        _plan_store.drop(key)
     return groups
 
 

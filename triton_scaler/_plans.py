@@ -1,13 +1,11 @@
-"""Launch planning of the unscale kernel: which memory a launch covers, how it is cut into
-chunks, and which plans are kept for grads that come back to the same addresses.
+"""Launch planning of the unscale kernel: which memory a launch covers and how it is cut into
+chunks, planned at each call from the grads as they are.
 
 * :func:`plan_unscale`: one launch's :class:`UnscalePlan` (the base tensor, the chunk table
   or flat size, the grid, the contiguous copies non-dense grads need, a write's refusal);
-* :func:`chunk_table`: the ``(grad, offset, length)`` rows of a many-tensor launch (made
-  per size pattern) and the grads' starts, kept in the store (:mod:`._plan_store`) by the
-  tensors' addresses and sizes, and for good once a CUDA graph has captured their upload;
-* :func:`ops_plans`: the plans of :mod:`.ops`' calls, kept in the store per grad list;
-  :mod:`._grads` keeps :class:`GradScaler`'s there the same way.
+* :func:`chunk_table`: the rows ``(grad, offset, length)`` of a many-tensor launch, which
+  depend on the grads' sizes alone and are kept in the one memo of planning (:func:`_rows`,
+  keyed by the sizes), and the grads' starts, uploaded at each call.
 
 The kernels (``triton_scaler.kernels``) only launch plans; no Triton code here.
 """
@@ -16,14 +14,14 @@ from __future__ import annotations
 
 import operator
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
-from . import _plan_store
+from . import _backend
 from ._backend import resolve_backend, triton_kernels
 from ._memory import extent, is_dense, overlaps, share_elements
-from ._plan_store import StoredLaunches
 
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
@@ -36,7 +34,7 @@ class UnscalePlan:
     Attributes:
         base: the tensor whose address, dtype and device the launch takes (the
             ``base_index``-th non-empty grad, or its flat view); None for a plan without
-            elements or a template.
+            elements.
         base_index: that grad's index among the grads the plan was built for.
         table: the int64 ``[grid, 3]`` chunk table, rows ``(grad, offset, length)`` in
             elements, the grad an index into ``starts``; None for the flat launch over ``n``
@@ -51,8 +49,8 @@ class UnscalePlan:
         overlapping: two grads share part of their memory.
         fp64: the grads are float64 (the norm partials' precision, also for no elements).
         refusal: why a write over this plan would not give torch's op's result, or None.
-        reusable: launchable again over grads at the same addresses and laid out the same
-            (no copies, no shared memory).
+        reusable: neither copies nor shared memory (a watch's launch may store statistics
+            per grad).
     """
 
     __slots__ = ("base", "base_index", "table", "starts", "n", "grid", "copies", "contiguous",
@@ -68,20 +66,9 @@ class UnscalePlan:
         self.overlapping, self.fp64, self.refusal = overlapping, fp64, refusal
         self.reusable = not copies and not overlapping
 
-    def template(self) -> UnscalePlan:
-        """This plan without its grads (a reusable plan's, kept by :mod:`._plan_store`)."""
-        return self.rebased(None)
 
-    def rebased(self, base: torch.Tensor | None) -> UnscalePlan:
-        """This template over a new grads list at the same addresses and laid out as the
-        grads it was made for, whose ``base_index``-th grad is ``base`` (None for a plan
-        without elements)."""
-        return UnscalePlan(base if self.grid else None, self.base_index, self.table, self.n,
-                           self.grid, [], self.contiguous, starts=self.starts, fp64=self.fp64)
-
-
-#: Grads whose shared-memory check runs in Python passes when they lie in ascending order
-#: (the tensor ops' check costs what those passes over ~170 addresses do, on a 2-core VM).
+#: Grads whose shared-memory check sorts their addresses in Python: up to here that costs
+#: less than the tensor ops' check (:func:`_ranges_overlap`, about 55 us on a 2-core VM).
 _FEW = 160
 
 
@@ -93,7 +80,8 @@ def plan_unscale(grads: list[torch.Tensor], numels: tuple[int, ...] | None = Non
     data pointers / whether every one is contiguous, when the caller already knows them.
     Empty grads are left out; grads that start at the address of an earlier one (aliases)
     are covered once. No host sync."""
-    return build_plan(grads, numels, addresses, triton_kernels().unscale.block(), contiguous)
+    kernels = _backend.loaded_kernels or triton_kernels()
+    return build_plan(grads, numels, addresses, kernels.unscale.BLOCK, contiguous)
 
 
 def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
@@ -170,57 +158,12 @@ def refuse_group_writes(groups: Sequence, backend: str) -> None:
     """Before the first of several :class:`GradGroup` is written: every Triton group's plan
     built, and its write refused where :func:`refuse_overlapping_writes` says so, so that a
     refusal leaves every grad as it was. Host work only; the plans are the launches' own. A
-    group whose plan is set and reusable (a kept plan, a gradient bucket's) is skipped, so a
-    step that reuses its plans pays two attribute reads a group."""
+    group already planned without a refusal is skipped."""
     for group in groups:
-        if group.plan is not None and group.plan.reusable:
+        if group.plan is not None and group.plan.refusal is None:
             continue
         if group.plan is not None or resolve_backend(backend, group.device) == "triton":
             refuse_overlapping_writes(group.launch_target())
-
-
-def ops_plans(grads: list[torch.Tensor], device: torch.device, write: bool,
-              group_grads: Callable[[], Iterable[list[torch.Tensor]]]) -> list[UnscalePlan]:
-    """The launches of :mod:`.ops`' Triton call over plain tensors ``grads`` (the flag on
-    ``device``): the stored ones when the grads are at the addresses of an earlier list and
-    pass its guard (torch's ``TensorGuards``, one C++ call), else planned through
-    ``group_grads()`` (the ops' argument checks and grouping by dtype), every write refused
-    first where it must be, and stored when every plan can be kept (none needs contiguous
-    copies). The guard is built from grads that passed every check, at the second call at
-    those addresses: a one-off list pays nothing for it, and a torch without
-    ``TensorGuards`` plans every call. No host sync."""
-    try:
-        key = ("ops", device, tuple(map(_DATA_PTR, grads)))
-    except (TypeError, RuntimeError):  # a grad without a data pointer (sparse): checked below
-        key = None
-    stored = _plan_store.lookup(key) if key is not None else None
-    if stored is not None and stored.fit(grads):
-        return [template.rebased(grads[index]) for index, template in stored.launches]
-    # usually one group, ``grads`` itself: its addresses known
-    plans = [(members, plan_unscale(members, None,
-                                    key[2] if members is grads and key else None))
-             for members in group_grads()]
-    for _, plan in plans if write else ():
-        refuse_overlapping_writes(plan)
-    if key is not None and all(plan.reusable for _, plan in plans):
-        guard = _plan_store.tensor_guards(grads) if stored is not None else None
-        if stored is None or guard is not None:
-            launches = [(_index_in(grads, members, plan.base_index), plan.template())
-                        for members, plan in plans if plan.grid]
-            _plan_store.keep(key, StoredLaunches(launches, None, None, guard))
-            return [plan for _, plan in plans]
-    if key is not None:
-        _plan_store.drop(key)
-    return [plan for _, plan in plans]
-
-
-def _index_in(grads: list[torch.Tensor], members: list[torch.Tensor], index: int) -> int:
-    """The index in ``grads`` of ``members[index]`` (``members``: the grads of one dtype,
-    in their order; usually ``grads`` itself)."""
-    if members is grads or len(members) == len(grads):
-        return index
-    dtype = members[0].dtype
-    return [i for i, g in enumerate(grads) if g.dtype == dtype][index]
 
 
 def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
@@ -228,48 +171,51 @@ def chunk_table(grads: list[torch.Tensor], numels: tuple[int, ...], block: int,
                 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """The chunk table of contiguous, non-empty, same-dtype ``grads`` on one device, whose
     sizes are ``numels``: an int64 ``[n_chunks, 3]`` device tensor of ``(grad, offset,
-    length)`` rows, made once per size pattern (:func:`_pattern`), and the grads' int64 byte
-    addresses (the starts the kernel reads each row's grad from), ``grads[0]``'s first. Every
-    chunk but a grad's last is ``block`` long. Also whether two grads share part of their
-    memory (one starts inside another; grads that start at the same address count once,
-    the starts and rows then over each address once): their chunks would overlap.
-
-    Kept in the store on the grads' addresses and sizes: a hit costs one pass over the
-    addresses. Grads at new addresses with sizes seen before cost their addresses' array,
-    uploaded, and the shared-memory check (:func:`_shares_memory`): no tensor op on the CPU
-    for up to :data:`_FEW` grads in ascending address order.
-    """
+    length)`` rows (:func:`_rows`, kept per size pattern), and the grads' int64 byte
+    addresses (the starts the kernel reads each row's grad from, ``grads[0]``'s first),
+    uploaded. Every chunk but a grad's last is ``block`` long. Also whether two grads share
+    part of their memory (one starts inside another; grads that start at the same address
+    count once, the starts and rows then over each address once): their chunks would
+    overlap. Host work per call: the addresses' array and the shared-memory check
+    (:func:`_shares_memory`), no tensor op on the CPU for up to :data:`_FEW` grads in
+    ascending address order."""
     first = grads[0]
     if addresses is None:
         addresses = tuple(map(_DATA_PTR, grads))
-    key = ("table", first.device, first.dtype, block, addresses, numels)
-    entry = _plan_store.lookup(key)
-    if entry is not None:
-        return entry
     size = first.element_size()
-    pattern = _pattern(numels, block)
+    pattern = _rows(numels, block)
     starts = torch.frombuffer(array("q", addresses), dtype=torch.int64)
     overlapping = _shares_memory(addresses, starts, pattern, size)
     if overlapping and len(set(addresses)) < len(addresses):  # aliases: each covered once
         addresses, numels = _unique_starts(addresses, numels)
-        pattern = _pattern(numels, block)
+        pattern = _rows(numels, block)
         starts = torch.frombuffer(array("q", addresses), dtype=torch.int64)
         overlapping = _shares_memory(addresses, starts, pattern, size)
-    return _plan_store.keep(key, (pattern.rows_on(first.device), upload(starts, first.device),
-                                  overlapping))
+    return pattern.rows_on(first.device), upload(starts, first.device), overlapping
 
 
 def _shares_memory(addresses: tuple[int, ...], starts: torch.Tensor, pattern: _Pattern,
                    size: int) -> bool:
     """Whether two ranges of the grads of ``pattern`` (``size``-byte elements) at
     ``addresses`` (also as the CPU int64 ``starts``) overlap (two that start at one address
-    included: the caller drops such aliases first). Up to :data:`_FEW` grads in ascending
-    order, each ending before the next starts (an allocator's usual order), are shown apart
-    by Python passes; others by :func:`_ranges_overlap`."""
-    if len(addresses) <= _FEW and all(map(operator.le, map(
-            operator.add, addresses, pattern.extents(size)), addresses[1:])):
+    included: the caller drops such aliases first). Grads at the addresses the pattern last
+    found apart (a training step's usual case) cost one comparison of the addresses; up to
+    :data:`_FEW` others are sorted by address in Python; more by :func:`_ranges_overlap`."""
+    if pattern.apart == (size, addresses):
         return False
-    return _ranges_overlap(starts, pattern.sizes, size)
+    n = len(addresses)
+    if n <= _FEW:
+        ends = tuple(map(operator.add, addresses, pattern.extents(size)))
+        if not all(map(operator.le, ends, addresses[1:])):  # not ascending: sorted
+            order = sorted(range(n), key=addresses.__getitem__)
+            shared = any(map(operator.gt, [ends[i] for i in order[:-1]],
+                             [addresses[i] for i in order[1:]]))
+            if shared:
+                return True
+    elif _ranges_overlap(starts, pattern.sizes, size):
+        return True
+    pattern.apart = (size, addresses)
+    return False
 
 
 def finish_table(grid: int, tensors: list[tuple[int, int, int]], device: torch.device
@@ -340,9 +286,10 @@ def _ranges_overlap(starts: torch.Tensor, lengths: torch.Tensor, size: int = 1) 
 class _Pattern:
     """The part of a chunk table that depends on the sizes alone: per chunk its grad's index,
     its offset in that grad and its length (CPU int64 ``[n_chunks, 3]``), uploaded once per
-    device; and the sizes (CPU int64; in bytes per element size, a tuple)."""
+    device; the sizes (CPU int64; in bytes per element size, a tuple); and the addresses of
+    the last grads of these sizes found not to share memory."""
 
-    __slots__ = ("rows", "sizes", "numels", "uploaded", "bytes")
+    __slots__ = ("rows", "sizes", "numels", "uploaded", "bytes", "apart")
 
     def __init__(self, numels: tuple[int, ...], block: int) -> None:
         sizes = torch.tensor(numels, dtype=torch.int64, device="cpu")
@@ -355,6 +302,9 @@ class _Pattern:
         self.sizes, self.numels = sizes, numels
         self.uploaded: dict[torch.device, torch.Tensor] = {}
         self.bytes: dict[int, tuple[int, ...]] = {}
+        #: ``(element size, addresses)`` of the last grads of these sizes found not to share
+        #: memory (:func:`_shares_memory`)
+        self.apart: tuple[int, tuple[int, ...]] | None = None
 
     def rows_on(self, device: torch.device) -> torch.Tensor:
         """The rows on ``device``, uploaded at the first call there (:func:`upload`). An
@@ -375,15 +325,39 @@ class _Pattern:
         return extents
 
 
-def _pattern(numels: tuple[int, ...], block: int) -> _Pattern:
-    """The :class:`_Pattern` of grads of ``numels`` in chunks of ``block``, kept in the store
-    on the sizes: grads at new addresses with the sizes of earlier ones (a training step
-    whose allocator handed out other blocks) reuse it."""
-    key = ("sizes", numels, block)
-    pattern = _plan_store.lookup(key)
+#: The memo of :func:`_rows`: each size pattern's rows, the most recently used last.
+_patterns: OrderedDict[tuple[tuple[int, ...], int], _Pattern] = OrderedDict()
+#: Size patterns :func:`_rows` keeps: a training loop has one per (device, dtype) group.
+PATTERNS_KEPT = 16
+
+
+def _rows(numels: tuple[int, ...], block: int) -> _Pattern:
+    """The :class:`_Pattern` of grads of ``numels`` in chunks of ``block``: planning's one
+    memo, keyed by ``(numels, block)`` (what the rows depend on, so an entry is never stale;
+    the addresses it last found apart are compared whole before they are trusted), the
+    :data:`PATTERNS_KEPT` most recently used kept. Grads at new addresses with the sizes
+    of earlier ones (a training step, whose allocator may hand out other blocks) reuse it.
+    Safe when several threads plan: a lost update is a miss, not an error."""
+    key = (numels, block)
+    pattern = _patterns.get(key)
     if pattern is None:
-        pattern = _plan_store.keep(key, _Pattern(numels, block))
+        pattern = _patterns[key] = _Pattern(numels, block)
+        while len(_patterns) > PATTERNS_KEPT:
+            try:
+                _patterns.popitem(last=False)
+            except KeyError:  # emptied by another thread meanwhile
+                break
+    else:
+        try:
+            _patterns.move_to_end(key)
+        except KeyError:  # dropped by another thread since the read: still usable
+            pass
     return pattern
+
+
+def clear() -> None:
+    """Forget every kept size pattern (the next launches plan their rows again)."""
+    _patterns.clear()
 
 
 def _flat_memory(t: torch.Tensor) -> torch.Tensor | None:

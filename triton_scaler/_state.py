@@ -3,11 +3,9 @@ tensors, skip signal, state_dict / load_state_dict and pickling. Kept apart from
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState
 
 from ._backend import Backend
 from ._compile import is_traced
@@ -22,12 +20,6 @@ _INT64_MAX = 2**63 - 1
 #: found_inf flags per iteration, one per optimizer; the last one collects the rare extras
 #: (a ninth optimizer, grads on several devices), so update() reduces all of them in one launch.
 FOUND_INF_SLOTS = 8
-
-
-def fresh_optimizer_state() -> dict[str, Any]:
-    """An optimizer's state at the start of an iteration, as torch's
-    ``_refresh_per_optimizer_state`` (ours: code that dynamo traces may call it)."""
-    return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
 def _state_key(key: str) -> str:
@@ -70,7 +62,6 @@ class ScalerState(torch.amp.GradScaler):
     _growth_interval = _policy_field("growth_interval")
 
     def _init_extension_state(self) -> None:
-        self._per_optimizer_states = defaultdict(fresh_optimizer_state)
         #: what the traced scale() hands the registered before_backward_ op (module _dispatch)
         self._backward_token = torch.empty(0)
         self._init_hysteresis_tracker = self._policy.hysteresis
@@ -86,8 +77,6 @@ class ScalerState(torch.amp.GradScaler):
         self._host_spans: list[torch.Tensor] = []  # [scale, flags...][:i + 1] for each i
         self._slots_taken = 0
         self._warned_underflow = False
-        #: update()'s bound device work: (what it uses, the call); see GradScaler._bound_update
-        self._update_bound: tuple | None = None
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         """torch's private (Accelerate calls it): ``_scale`` and ``_growth_tracker`` on
@@ -155,53 +144,12 @@ class ScalerState(torch.amp.GradScaler):
                 values = values.pin_memory()
             params.copy_(values, non_blocking=True)
 
-    def _found_inf_flag(self, state: dict[str, Any]) -> torch.Tensor:
-        """A zeroed 0-d float32 found_inf for this optimizer's iteration, on the scale's
-        device: its own slot of the flag buffer (the same one again, re-zeroed, if it asks
-        twice), or a fresh tensor past the slots."""
-        flag = state.get("found_inf_slot")
-        if flag is not None:  # checked twice in one iteration: start again from 0
-            return flag.zero_()
-        index = 0  # its position in the [scale, flags...] buffer; 0: not in it
-        if self._slots_taken < FOUND_INF_SLOTS - 1:
-            slots = self._found_slots  # made once: the method only for state made traced
-            flag = slots[self._slots_taken] if slots else self._found_slot(self._slots_taken)
-            self._slots_taken += 1
-            index = self._slots_taken
-        else:  # update() folds it into the last slot
-            flag = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        state["found_inf_slot"] = flag
-        state["found_inf_index"] = index
-        return flag
-
-    def _found_slot(self, index: int) -> torch.Tensor:
-        """The ``index``-th found_inf flag, a view of :attr:`_flags`: made once in eager code;
-        in code that torch.compile traces, made where it is used when the state was made
-        there too (see :meth:`_init_device_state`)."""
-        slots = self._found_slots
-        if not slots:
-            assert self._flags is not None  # made with the scale
-            return self._flags[index]
-        return slots[index]
-
-    @staticmethod
-    def _buffer_index(state: dict[str, Any], agreed: torch.Tensor) -> int:
-        """Where ``agreed`` sits in the [scale, flags...] buffer: its slot's position when it
-        is the optimizer's own slot, 0 when it is another tensor (several devices, past the
-        slots)."""
-        return state.get("found_inf_index", 0) if agreed is state.get("found_inf_slot") else 0
-
     def _rezero_written_padding(self) -> None:
         """Zero again the bucket padding that this iteration's unscale may have turned into
         NaN (see :meth:`GradScaler._note_written_padding`): one fill per such bucket."""
         for state in self._per_optimizer_states.values():
             for buffer, padding in state.pop("written_padding", ()):
                 buffer.index_fill_(0, padding, 0)
-
-    def _reset_iteration(self) -> None:
-        """Forget this iteration's per-optimizer states; the flags are zero again."""
-        self._per_optimizer_states = defaultdict(fresh_optimizer_state)
-        self._slots_taken = 0
 
     @property
     def policy(self) -> ScalePolicy:
@@ -404,7 +352,6 @@ class ScalerState(torch.amp.GradScaler):
             state["_found_slots"] = []
             state["_host_spans"] = []
             state["_slots_taken"] = 0
-        state["_update_bound"] = None  # holds the device tensors and a kernel: bound again
         state["_backward_token"] = None  # made again on load: the pickle holds no tensor
         state["_process_group"] = None  # process groups do not pickle; set it again after load
         state["_watch"] = None  # a watch is not the scaler's state (nor in its state_dict)
@@ -412,8 +359,5 @@ class ScalerState(torch.amp.GradScaler):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        # also a pickle of an earlier version: torch's factory (dynamo cannot call it)
-        self._per_optimizer_states = defaultdict(fresh_optimizer_state,
-                                                 self._per_optimizer_states)
         if state.get("_backward_token") is None:
             self._backward_token = torch.empty(0)

@@ -35,7 +35,7 @@ def plan_pass(index: dict[int, int], groups: list, rows: torch.Tensor) -> FusedP
         ranges = None
         stand_in = None
         if plan is not None and indices is not None and group.device == device:
-            block = triton_kernels().unscale.block()
+            block = triton_kernels().unscale.BLOCK
             if group.bucket is None:
                 if plan.reusable:
                     ranges = program_ranges(plan, group.grads, block)
@@ -115,7 +115,7 @@ class FusedPass:
 
 def _kept(group: Any) -> Any:
     """What a :class:`FusedPass` keeps of a group's plan: the plan itself when it holds no
-    grad (a kept template; a bucket's, over its buffer), else a marker that no plan matches
+    grad (a bucket's, over its buffer), else a marker that no plan matches
     (the next call compares sizes)."""
     plan = group.plan
     return plan if plan is None or plan.base is None or group.bucket is not None else _NO_PLAN
@@ -138,8 +138,9 @@ def _bucket_stand_in(group: Any, block: int) -> tuple[Any, list[tuple[int, int]]
     ranges = program_ranges(plan, views, block)
     if ranges is None:
         return None, None
+    plan.base = None  # the launch's base is the buffer itself (``GradGroup.base``)
     return GradGroup(group.device, [bucket.buffer], params=group.params, indices=group.indices,
-                     plan=plan.template(), base=bucket.buffer), ranges
+                     plan=plan, base=bucket.buffer), ranges
 
 
 def named_parameters_of(model: Any) -> list[tuple[str, torch.Tensor]]:

@@ -12,10 +12,11 @@ eagerly, a graph break (:func:`_can_trace`).
 
 from __future__ import annotations
 
+import functools
 import math
-import operator
+from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any, overload
+from typing import Any, TypeVar, cast, overload
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -25,8 +26,8 @@ from ._arguments import check_device, check_outputs, check_process_group, refuse
 from ._backend import Backend, check_backend, resolve_backend
 from ._bucket import attach_bucket_grads, attach_grads_of, buckets_of
 from ._clip import check_clip_arguments, clip_unscaled, fused_clip, raise_nonfinite
-from ._compile import eager_frame, never_traced, traced_when
-from ._dispatch import bind_scaler_update, note_backward, scaler_update, unscale_group
+from ._compile import eager_frame, never_traced, own_code, run_eagerly
+from ._dispatch import note_backward, scaler_update, unscale_group
 from ._distributed import agree_over_meshes
 from ._grads import PerDevice, collect_grads
 from ._state import FOUND_INF_SLOTS, ScalerState
@@ -70,6 +71,34 @@ def _can_trace(scaler: GradScaler, name: str, args: tuple, kwargs: dict) -> bool
     return True
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _traced() -> bool:
+    """Whether dynamo traces the caller, as a function of this package: where dynamo runs a
+    decorated call's frame itself after a graph break, it compiles this frame (torch's own
+    ``is_dynamo_compiling``, in a module dynamo skips, it would not: False, and the call's
+    body would be traced frame by frame instead of running eagerly)."""
+    return torch.compiler.is_dynamo_compiling()
+
+
+def traced_when(can_trace: Callable[..., bool]) -> Callable[[_Method], _Method]:
+    """Decorate a scaler method: traced code runs the method itself (the same body as in
+    eager code) when ``can_trace(self, name, args, kwargs)``, else the method eagerly (a graph
+    break; an error under ``fullgraph=True``). Eager code calls the method directly."""
+
+    def decorate(method: _Method) -> _Method:
+        name = method.__name__
+
+        @functools.wraps(method)
+        def wrapper(self, *args, **kwargs):
+            if _traced() and not can_trace(self, name, args, kwargs):
+                return run_eagerly(method, self, *args, **kwargs)
+            return method(self, *args, **kwargs)
+        return cast(_Method, own_code(wrapper, method))
+    return decorate
+
+
 def _lists_of_tensors(outputs: Any) -> bool:
     if isinstance(outputs, torch.Tensor):
         return True
@@ -89,6 +118,12 @@ def _plain_grads(optimizer: torch.optim.Optimizer) -> bool:
             if grad is not None and (type(grad) is not torch.Tensor or grad.is_sparse):
                 return False
     return True
+
+
+def fresh_optimizer_state() -> dict[str, Any]:
+    """An optimizer's state at the start of an iteration, as torch's
+    ``_refresh_per_optimizer_state`` (ours: code that dynamo traces may call it)."""
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
 def _cuda_definitely_unavailable() -> bool:
@@ -233,6 +268,7 @@ class GradScaler(ScalerState):
                          self._policy.backoff_factor, self._policy.growth_interval, enabled)
         self._backend = backend
         self._process_group = process_group
+        self._per_optimizer_states = defaultdict(fresh_optimizer_state)
         self._init_extension_state()
 
     @overload  # torch's overloads: ``scaler.scale(loss).backward()`` type-checks
@@ -371,6 +407,53 @@ class GradScaler(ScalerState):
         state["stage"] = OptState.UNSCALED
         if per_device:  # none: torch raises in step(), not here
             self._agree_found_inf(state)
+
+    def _found_inf_flag(self, state: dict[str, Any]) -> torch.Tensor:
+        """A zeroed 0-d float32 found_inf for this optimizer's iteration, on the scale's
+        device: its own slot of the flag buffer (the same one again, re-zeroed, if it asks
+        twice), or a fresh tensor past the slots."""
+        flag = state.get("found_inf_slot")
+        if flag is not None:  # checked twice in one iteration: start again from 0
+            return flag.zero_()
+        index = 0  # its position in the [scale, flags...] buffer; 0: not in it
+        if self._slots_taken < FOUND_INF_SLOTS - 1:
+            slots = self._found_slots  # made once: the method only for state made traced
+            flag = slots[self._slots_taken] if slots else self._found_slot(self._slots_taken)
+            self._slots_taken += 1
+            index = self._slots_taken
+        else:  # update() folds it into the last slot
+            flag = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        state["found_inf_slot"] = flag
+        state["found_inf_index"] = index
+        return flag
+
+    def _found_slot(self, index: int) -> torch.Tensor:
+        """The ``index``-th found_inf flag, a view of :attr:`_flags`: made once in eager code;
+        in code that torch.compile traces, made where it is used when the state was made
+        there too (see :meth:`_init_device_state`)."""
+        slots = self._found_slots
+        if not slots:
+            assert self._flags is not None  # made with the scale
+            return self._flags[index]
+        return slots[index]
+
+    @staticmethod
+    def _buffer_index(state: dict[str, Any], agreed: torch.Tensor) -> int:
+        """Where ``agreed`` sits in the [scale, flags...] buffer: its slot's position when it
+        is the optimizer's own slot, 0 when it is another tensor (several devices, past the
+        slots)."""
+        return state.get("found_inf_index", 0) if agreed is state.get("found_inf_slot") else 0
+
+    def _reset_iteration(self) -> None:
+        """Forget this iteration's per-optimizer states; the flags are zero again."""
+        self._per_optimizer_states = defaultdict(fresh_optimizer_state)
+        self._slots_taken = 0
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # also a pickle of an earlier version: torch's factory (dynamo cannot call it)
+        self._per_optimizer_states = defaultdict(fresh_optimizer_state,
+                                                 self._per_optimizer_states)
 
     def _ready_to_unscale(self, optimizer: torch.optim.Optimizer, funcname: str) -> dict:
         """The optimizer's per-iteration state; raises torch's errors when its grads were
@@ -605,8 +688,8 @@ class GradScaler(ScalerState):
         scaler_update(scale, growth_tracker, flags, policy,
                       hysteresis_tracker=self._hysteresis_tracker_t,
                       skipped=self._last_step_skipped, skipped_count=self._skipped_steps_t,
-                      params=self._params_t, backend=self._backend, bound=self._bound_update,
-                      watch=self._watch)
+                      skipped_bytes=self._last_step_skipped_bytes, params=self._params_t,
+                      backend=self._backend, watch=self._watch)
         self._reset_iteration()
         if self._watch is not None:
             self._watch._updated()
@@ -615,32 +698,6 @@ class GradScaler(ScalerState):
                 f"Current loss scale already at minimum ({policy.min_scale}) - cannot decrease "
                 "scale anymore (raise_at_min_scale=True). The step was skipped and the update "
                 "is complete; the scaler can go on if this error is caught.")
-
-    def _bound_update(self) -> Callable[[], None]:
-        """update()'s device work (``bind_scaler_update``), bound once and kept while the
-        policy, the backend and each state tensor it uses are the same objects (compared by
-        identity: an integrator's new ``_scale`` is seen); with a watch, its record too."""
-        scale, growth_tracker = self._scale, self._growth_tracker
-        assert scale is not None and growth_tracker is not None  # checked by update()
-        flags, skipped, count = self._flags, self._last_step_skipped_bytes, self._skipped_steps_t
-        if skipped is None:  # viewed once (see ScalerState._init_device_state)
-            assert self._last_step_skipped is not None  # made with the scale
-            skipped = self._last_step_skipped_bytes = self._last_step_skipped.view(torch.uint8)
-        uses = (self._policy, self._backend, scale, growth_tracker, flags,
-                self._hysteresis_tracker_state, skipped, count, self._params_t, self._watch)
-        bound = self._update_bound
-        if bound is not None and all(map(operator.is_, uses, bound[0])):
-            return bound[1]
-        # a watch's tensors, made once (on the scale's device when nothing made them yet)
-        watch = None if self._watch is None else self._watch.update_tensors(scale.device)
-        assert flags is not None and skipped is not None and count is not None  # with the scale
-        call = bind_scaler_update(scale, growth_tracker, flags, self._policy,
-                                      hysteresis_tracker=self._hysteresis_tracker_t,
-                                      skipped=skipped, skipped_count=count,
-                                      backend=self._backend, params=self._params_t,
-                                      watch=watch)
-        self._update_bound = (uses, call)
-        return call
 
     def _backs_off_at_min_scale(self, flags: torch.Tensor) -> bool:
         """Whether this iteration's overflow backs off with the scale already at
