@@ -1,17 +1,21 @@
-"""A watched scaler's device work, run inside the other kernels: :func:`finish_tensor`, run by
-the unscale kernel's programs (``STATS=True``: four values per program), finishes each watched
-tensor's row from its programs' values in the same launch; :func:`record_watch`, run by the
-update kernel (``WATCH``), records each ``update()``'s overflow and the run of skipped steps.
+"""A watched scaler's device work: :func:`finish_stats_kernel` sums each watched tensor's
+row from the four values per program that a read pass of the unscale kernel stored
+(``STATS=True``), one program per tensor, in a launch of its own (:func:`launch_finish_stats`);
+:func:`record_watch`, run by the update kernel (``WATCH``), records each ``update()``'s
+overflow and the run of skipped steps.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-#: programs whose statistics one program sums: a watched tensor's programs are finished in
-#: groups of this many, then its groups' sums (:func:`_pairwise_sum`'s 128)
+from .launcher import launch
+
+#: rows summed at a time (:func:`_pairwise_sum`'s 128)
 GROUP = tl.constexpr(128)
+_FINISH_OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
 
 
 @triton.jit
@@ -30,8 +34,7 @@ def _pairwise_sum(x):
 @triton.jit
 def _sum_rows(stats_ptr, begin, end):
     """Rows ``[begin, end)`` of four statistics summed (amax: their largest), ``GROUP`` rows
-    at a time in order, each round by :func:`_pairwise_sum`: deterministic. Read from L2
-    (``.cg``): rows other programs wrote, never from this multiprocessor's L1."""
+    at a time in order, each round by :func:`_pairwise_sum`: deterministic."""
     sumsq = tl.zeros((), tl.float64)
     amax = tl.zeros((), tl.float64)
     infs = tl.zeros((), tl.float64)
@@ -40,25 +43,11 @@ def _sum_rows(stats_ptr, begin, end):
         rows = first + tl.arange(0, GROUP)
         ptrs = stats_ptr + 4 * rows
         mask = rows < end
-        sumsq += _pairwise_sum(tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg"))
-        amax = tl.maximum(amax, tl.max(tl.load(ptrs + 1, mask=mask, other=0.0,
-                                               cache_modifier=".cg"), axis=0))
-        infs += tl.sum(tl.load(ptrs + 2, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
-        nans += tl.sum(tl.load(ptrs + 3, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
+        sumsq += _pairwise_sum(tl.load(ptrs, mask=mask, other=0.0))
+        amax = tl.maximum(amax, tl.max(tl.load(ptrs + 1, mask=mask, other=0.0), axis=0))
+        infs += tl.sum(tl.load(ptrs + 2, mask=mask, other=0.0), axis=0)
+        nans += tl.sum(tl.load(ptrs + 3, mask=mask, other=0.0), axis=0)
     return sumsq, amax, infs, nans
-
-
-@triton.jit
-def _last_to_arrive(counter_ptr, n):
-    """Whether this program is the last of ``n`` to count at ``counter_ptr`` (then it resets
-    the count for the next launch, a graph's replay included). A barrier first, so that what
-    every thread of the program stored is released with the count; the acquire makes what
-    the others released visible to the last."""
-    tl.debug_barrier()
-    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel") == n - 1
-    if last:
-        tl.store(counter_ptr, 0)
-    return last
 
 
 @triton.jit
@@ -71,55 +60,26 @@ def _store_row(out, sumsq, amax, infs, nans):
 
 
 @triton.jit
-def finish_tensor(
-    stats_ptr,  # *Pointer* to float64 statistics, 4 a row: one row per program, then one
-    #             per group of GROUP programs of a watched tensor
-    finish_ptr,  # *Pointer* to int64: each program's watched tensor (-1: none), then per
-    #              tensor (begin, end, row, first group, tensor count): its programs, its row
-    #              of out, its groups' first row after the programs' and first count, and
-    #              its own count
-    counters_ptr,  # *Pointer* to int32 counts, one per group and one per tensor (0 between
-    #                launches)
+def finish_stats_kernel(
+    stats_ptr,  # *Pointer* to float64 statistics, 4 a row: one row per program of a read pass
+    ranges_ptr,  # *Pointer* to int64 (begin, end) per tensor: its programs' rows
     out_ptr,  # *Pointer* to float64 rows of 5: amax, sum of squares, inf and NaN counts, 1
-    pid,  # This program, whose statistics are stored
 ):
-    """Run by each program of a ``STATS`` launch after storing its statistics. A watched
-    tensor's programs come in groups of ``GROUP``: the last of a group to get here sums the
-    group's rows; for a tensor of one group that is its row of ``out``, else a row of its
-    own, and the last group to finish sums those into the tensor's row (a 1e8-element
-    tensor's 24,415 programs: 191 groups, summed in two rounds). Deterministic: fixed groups
-    summed in a fixed order, the same bits whichever program is last."""
-    t = tl.load(finish_ptr + pid)
-    if t >= 0:
-        entry = finish_ptr + tl.num_programs(0) + 5 * t
-        begin = tl.load(entry)
-        group = (pid - begin) // GROUP
-        lo = begin + group * GROUP  # its group: these programs
-        hi = tl.minimum(lo + GROUP, tl.load(entry + 1))
-        if _last_to_arrive(counters_ptr + tl.load(entry + 3) + group, hi - lo):
-            sumsq, amax, infs, nans = _sum_rows(stats_ptr, lo, hi)
-            _finish_group(stats_ptr, entry, counters_ptr, out_ptr, group, sumsq, amax, infs,
-                          nans)
+    """Program ``t`` sums tensor ``t``'s rows of ``stats_ptr`` into row ``t`` of ``out_ptr``
+    (amax NaN where a NaN was seen): fixed rounds in a fixed order, the same bits on every
+    run and route."""
+    t = tl.program_id(0)
+    begin = tl.load(ranges_ptr + 2 * t)
+    end = tl.load(ranges_ptr + 2 * t + 1)
+    sumsq, amax, infs, nans = _sum_rows(stats_ptr, begin, end)
+    _store_row(out_ptr + 5 * t, sumsq, amax, infs, nans)
 
 
-@triton.jit
-def _finish_group(stats_ptr, entry, counters_ptr, out_ptr, group, sumsq, amax, infs, nans):
-    """A watched tensor's group summed (by its last program): for a tensor of one group its
-    row of ``out``; else the group's row, and by the last group to finish the tensor's row
-    from its groups' (table ``entry``: see :func:`finish_tensor`)."""
-    groups = (tl.load(entry + 1) - tl.load(entry) + GROUP - 1) // GROUP
-    if groups == 1:
-        _store_row(out_ptr + 5 * tl.load(entry + 2), sumsq, amax, infs, nans)
-    else:
-        first = tl.num_programs(0) + tl.load(entry + 3)  # the tensor's groups' rows
-        partial = stats_ptr + 4 * (first + group)
-        tl.store(partial, sumsq)
-        tl.store(partial + 1, amax)
-        tl.store(partial + 2, infs)
-        tl.store(partial + 3, nans)
-        if _last_to_arrive(counters_ptr + tl.load(entry + 4), groups):
-            sumsq, amax, infs, nans = _sum_rows(stats_ptr, first, first + groups)
-            _store_row(out_ptr + 5 * tl.load(entry + 2), sumsq, amax, infs, nans)
+def launch_finish_stats(stats: torch.Tensor, ranges: torch.Tensor, out: torch.Tensor) -> None:
+    """Each tensor's row of ``out`` (float64 ``[n, 5]``) from its programs' rows of ``stats``
+    (float64 ``[programs, 4]``), ``ranges`` (int64 ``[n, 2]``) on their device: one launch of
+    ``n`` programs. Asynchronous: no host sync."""
+    launch(finish_stats_kernel, out.shape[0], (stats, ranges, out), (), {}, _FINISH_OPTIONS)
 
 
 @triton.jit

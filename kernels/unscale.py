@@ -16,11 +16,10 @@ One kernel, specialised by constexpr flags:
   sum of squares / the max ``|x|`` of its unscaled (dtype-rounded) values into a partial
   buffer, accumulated in float32 (float64 for float64 grads).
 * ``CLIP=True`` (write pass): stores ``dtype(dtype(g * inv_scale) * clip_coef)``.
-* ``STATS=True`` (a watched scaler's pass, :mod:`.stats`): each program also stores four
-  statistics of its unscaled (dtype-rounded) values, before a clip: the sum of squares
-  (float32, float64 for float64 grads), the max ``|x|`` over the values that are not NaN,
-  and the inf and NaN counts; the last program of each watched tensor sums its programs'
-  into the tensor's row (:func:`.stats.finish_tensor`).
+* ``STATS=True`` (a watched scaler's read pass): each program also stores four statistics of
+  its unscaled (dtype-rounded) values: the sum of squares (float32, float64 for float64
+  grads), the max ``|x|`` over the values that are not NaN, and the inf and NaN counts;
+  :func:`.stats.launch_finish_stats` sums them per tensor.
 
 found_inf is set to exactly 1.0 when an input element or its unscaled product (rounded to the
 gradient's dtype) is non-finite, by a single masked store from each program that saw one.
@@ -36,19 +35,15 @@ import triton.language as tl
 
 from .bits import bf16_bits_to_fp32, fp32_to_bf16_bits
 from .launcher import launch
-from .stats import finish_tensor
 
 GPU_BLOCK = 4096
 GPU_NUM_WARPS = 8
 # float64: the same block over twice the threads, 8 doubles a thread. With 8 warps its variants
 # took up to 66 registers per thread (sm_90) and triton 3.8's clip pass spilled; with 16, 40.
 GPU_NUM_WARPS_FP64 = 16
-# A watched launch (STATS), whatever its route (unscale, check, the clip's write pass, the
-# watch_stats op): one number of warps per dtype, so that each program's sum of squares is
-# reduced in the same order on every route (a compiled watch reports an eager one's bits).
-# 8 warps took up to 72 registers (bf16 clip pass); float64 with 16 spilled in its masked
-# path once each tensor's last program also finishes it (sm_90: 40 registers); with 32, 47.
-# ROCm's wavefronts are 64 threads, its blocks at most 1,024: float64 there takes 16.
+# A watched read pass (STATS): one number of warps per dtype. float64's 32 were set when
+# the pass also finished each tensor (with 16 it spilled in its masked path, sm_90). ROCm's
+# wavefronts are 64 threads, its blocks at most 1,024: float64 there takes 16.
 GPU_NUM_WARPS_STATS = 16
 GPU_NUM_WARPS_STATS_FP64 = 32
 HIP_NUM_WARPS_STATS_FP64 = 16
@@ -156,9 +151,6 @@ def unscale_kernel(
     coef_ptr,  # *Pointer* to the fp32 clip coefficient (CLIP)
     partial_ptr,  # *Pointer* to one norm partial per program (NORM != 0)
     stats_ptr,  # *Pointer* to four float64 statistics per program (STATS)
-    finish_ptr,  # *Pointer* to the int64 table of the watched tensors' programs (STATS)
-    counters_ptr,  # *Pointer* to int32 per watched tensor: its programs done (STATS)
-    rows_ptr,  # *Pointer* to the float64 rows of 5 the watched tensors finish into (STATS)
     n_elements,  # Elements of the flat buffer (USE_TABLE=False)
     BLOCK: tl.constexpr,  # Elements per program
     USE_TABLE: tl.constexpr,  # Program p covers chunk p of the table, not block p of a buffer
@@ -202,8 +194,6 @@ def unscale_kernel(
     tl.store(found_inf_ptr, 1.0, mask=saw > 0)
     if NORM != 0:
         tl.store(partial_ptr + pid, partial)
-    if STATS:  # the last program of a watched tensor finishes its row
-        finish_tensor(stats_ptr, finish_ptr, counters_ptr, rows_ptr, pid)
 
 
 _INTERPRETED = type(unscale_kernel).__name__ == "InterpretedFunction"
@@ -265,7 +255,7 @@ def launch_unscale(
     clip_coef: torch.Tensor | None = None,
     inv_from_scale: bool = False,
     base: torch.Tensor | None = None,
-    stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    stats: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Unscale (``write=True``) or only check (``write=False``) the grads of ``plan``.
 
@@ -283,17 +273,9 @@ def launch_unscale(
         inv_from_scale: see ``inv_scale``.
         base: the launch's base grad when ``plan`` is a kept template (which holds none):
             the grad at the template's ``base_index`` in a list laid out as its own.
-        stats: a watched launch's ``(partials, finish, counters, rows)``, as
-            the caller's planning makes them: float64 ``[plan.grid +
-            groups, 4]`` (contiguous) for each program's sum of squares, max ``|x|`` of the
-            values that are not NaN, inf count and NaN count, of the unscaled (dtype-rounded)
-            grads before a clip, then each group's sums; int64 ``finish``: each program's
-            watched tensor (``-1``: none), then per watched tensor ``(begin, end, row, first
-            group, its counter)`` (see :func:`.stats.finish_tensor`); int32 ``counters``, one per
-            group and one per watched tensor, zero (and zero again after the launch);
-            float64 ``rows`` ``[n, 5]``, where each watched tensor's ``(amax, sum of squares,
-            inf count, NaN count, 1.0)`` is written (amax NaN where a NaN was seen) by its
-            last program (:func:`.stats.finish_tensor`).
+        stats: a watched read pass's float64 ``[plan.grid, 4]`` (contiguous): each
+            program's sum of squares, max ``|x|`` of the values that are not NaN, inf count
+            and NaN count, of the unscaled (dtype-rounded) grads.
 
     Returns:
         With ``norm``, a 0-d float32 (float64 for float64 grads) device tensor; else None.
@@ -322,7 +304,7 @@ def launch_unscale(
         base.view(torch.int16) if bf16_bits else base,
         *((found_inf, found_inf) if plan.table is None else (plan.table, plan.starts)),
         inv_scale, found_inf, found_inf if clip_coef is None else clip_coef, partials,
-        *((found_inf,) * 4 if stats is None else stats),
+        found_inf if stats is None else stats,
     ), (plan.n,), dict(
         BLOCK=BLOCK, USE_TABLE=plan.table is not None,
         WRITE=write, BF16_BITS=bf16_bits, VEC=16 // base.element_size(), FP64=fp64,

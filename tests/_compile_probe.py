@@ -20,6 +20,7 @@ import triton.backends.nvidia  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton_scaler.kernels.stats import finish_stats_kernel  # noqa: E402
 from triton_scaler.kernels.unscale import (  # noqa: E402
     GPU_BLOCK,
     GPU_NUM_WARPS,
@@ -135,7 +136,6 @@ def _unscale_signature(dtype):
     return {"grad_ptr": f"*{dtype}", "table_ptr": "*i64", "starts_ptr": "*i64",
             "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "coef_ptr": "*fp32",
             "partial_ptr": "*fp32" if dtype != "fp64" else "*fp64", "stats_ptr": "*fp64",
-            "finish_ptr": "*i64", "counters_ptr": "*i32", "rows_ptr": "*fp64",
             "n_elements": "i64",
             **{name: "constexpr" for name in ("BLOCK", "USE_TABLE", "WRITE", "BF16_BITS",
                                               "VEC", "FP64", "ROUND", "NORM", "CLIP",
@@ -178,16 +178,15 @@ def main():
                         facts[f"clip/{dtype}/{'table' if use_table else 'flat'}/{name}"] = \
                             _compile(unscale_kernel, signature, {**constexprs, **extra},
                                      aligned_ptr if use_table else aligned_size, warps)
-                # a watched scaler's passes: unscale_ / the check, and the clip's write pass
-                for name, extra in (("unscale", dict(INV_FROM_SCALE=True)),
-                                    ("clip", dict(ROUND=True, CLIP=True, INV_FROM_SCALE=True))):
-                    if write or name == "unscale":
-                        facts[f"stats/{dtype}/{'table' if use_table else 'flat'}/"
-                              f"{'write' if write else 'check'}/{name}"] = _compile(
-                            unscale_kernel, signature, {**constexprs, **extra, "STATS": True},
-                            aligned_ptr, GPU_NUM_WARPS_STATS if dtype != "fp64" else
-                            HIP_NUM_WARPS_STATS_FP64 if TARGET.backend == "hip" else
-                            GPU_NUM_WARPS_STATS_FP64)
+                if not write:  # a watch's read pass (the watch_stats op, every route)
+                    facts[f"stats/{dtype}/{'table' if use_table else 'flat'}/check"] = \
+                        _compile(unscale_kernel, signature, {**constexprs, "STATS": True},
+                                 aligned_ptr, GPU_NUM_WARPS_STATS if dtype != "fp64" else
+                                 HIP_NUM_WARPS_STATS_FP64 if TARGET.backend == "hip" else
+                                 GPU_NUM_WARPS_STATS_FP64)
+    facts["stats/finish"] = _compile(
+        finish_stats_kernel, {"stats_ptr": "*fp64", "ranges_ptr": "*i64", "out_ptr": "*fp64"},
+        {}, {}, 4)
     for hysteresis in (False, True):
         signature = {"scale_ptr": "*fp32", "growth_tracker_ptr": "*i32",
                      "found_inf_ptr": "*fp32", "hysteresis_tracker_ptr": "*i32",

@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from triton_scaler.kernels import unscale, update
+from triton_scaler.kernels import stats, unscale, update
 
 from triton_scaler import GradBuckets
 
@@ -60,6 +60,8 @@ def _launches(monkeypatch):
                         _Counted(unscale.unscale_kernel, "unscale", counts))
     monkeypatch.setattr(update, "update_scale_kernel",
                         _Counted(update.update_scale_kernel, "update", counts))
+    monkeypatch.setattr(stats, "finish_stats_kernel",
+                        _Counted(stats.finish_stats_kernel, "finish_stats", counts))
     yield counts
 
 

@@ -25,9 +25,9 @@ def ptx_facts():
 
 def test_every_variant_compiles(ptx_facts):
     # 16 dtype x path x mode, 6 unaligned-size flat, 2 inv-from-scale, 24 clip (dtype x path
-    # x pass), 24 with statistics (dtype x path x unscale / check / clip write), 6 update
-    # (op, scaler, watched scaler; with and without hysteresis)
-    assert len(ptx_facts) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4 * 2 * 3 + 6
+    # x pass), 8 a watch's read pass (dtype x path) and its per-tensor sums, 6 update (op,
+    # scaler, watched scaler; with and without hysteresis)
+    assert len(ptx_facts) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4 * 2 + 1 + 6
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -173,8 +173,8 @@ def test_every_variant_keeps_half_an_sm_busy(ptx_facts):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
 def test_gpu_launches_pass_what_the_probe_compiles(monkeypatch, dtype):
     """What a GPU launch passes is what these tests compiled: 8 warps, float64 16 (its 8-warp
-    variants took up to 66 registers and spilled with triton 3.8's ptxas), a watched launch
-    16 on every route, float64 32 (see ``GPU_NUM_WARPS_STATS``), no FMA fusion, the GPU block
+    variants took up to 66 registers and spilled with triton 3.8's ptxas), a watch's read
+    pass 16, float64 32 (see ``GPU_NUM_WARPS_STATS``), no FMA fusion, the GPU block
     (the plan cut in it too) and 16-byte vectors."""
     import torch
     from triton_scaler.kernels import unscale
@@ -183,37 +183,30 @@ def test_gpu_launches_pass_what_the_probe_compiles(monkeypatch, dtype):
 
     seen = []
     monkeypatch.setattr(unscale, "_INTERPRETED", False)
+    monkeypatch.setattr(unscale, "BLOCK", unscale.GPU_BLOCK)  # as decided at import on a GPU
     monkeypatch.setattr(unscale, "launch", lambda *args: seen.append(args[1:2] + args[-2:]))
     sizes = (5, unscale.GPU_BLOCK + 3)  # 1 + 2 programs of the GPU block
     grads = [torch.ones(n, dtype=getattr(torch, dtype)) for n in sizes]
-    stats = (torch.zeros((3, 4), dtype=torch.float64), torch.zeros(9, dtype=torch.int64),
-             torch.zeros(2, dtype=torch.int32), torch.zeros((2, 5), dtype=torch.float64))
-    cases = ((0, None, None), (2, None, None), (0, torch.ones(()), None), (0, None, stats),
-             (0, torch.ones(()), stats))
+    stats = torch.zeros((3, 4), dtype=torch.float64)
+    cases = ((0, None, None), (2, None, None), (0, torch.ones(()), None), (0, None, stats))
     for norm, coef, with_stats in cases:
         unscale.launch_unscale(plan_unscale(grads), torch.zeros(()), torch.ones(()), norm=norm,
-                               clip_coef=coef, stats=with_stats)
+                               clip_coef=coef, stats=with_stats, write=with_stats is None)
     warps = unscale.GPU_NUM_WARPS_FP64 if dtype == "float64" else unscale.GPU_NUM_WARPS
-    # with statistics: one number per dtype, every route (as the probe compiles them)
+    # a watch's read pass: one number per dtype (as the probe compiles it)
     stats_warps = unscale.GPU_NUM_WARPS_STATS_FP64 if dtype == "float64" else \
         unscale.GPU_NUM_WARPS_STATS
-    expected = [warps] * 3 + [stats_warps] * 2
+    expected = [warps] * 3 + [stats_warps]
     assert [options for *_, options in seen] == [{"num_warps": w, "enable_fp_fusion": False}
                                                  for w in expected]
     vec = 16 // grads[0].element_size()
     assert [(grid, c["BLOCK"], c["VEC"], c["BF16_BITS"]) for grid, c, _ in seen] == \
-        [(3, unscale.GPU_BLOCK, vec, False)] * 5
+        [(3, unscale.GPU_BLOCK, vec, False)] * 4
 
 
-def test_a_watched_launch_finishes_its_tensors_after_an_acquire_release_count(ptx_facts):
-    """Every variant with statistics counts its programs with a GPU-scope acquire-release
-    atomic after a CTA barrier (the last program of a tensor then sees every other program's
-    statistics) and reads those from L2 (``ld.global.cg``, never a stale L1 line); no
-    variant without statistics has an atomic."""
+def test_no_variant_needs_an_atomic(ptx_facts):
+    """A watch's read pass stores each program's statistics and a launch of its own sums them
+    per tensor (``stats/finish``): no variant orders programs with an atomic."""
+    assert "stats/finish" in ptx_facts
     for key, ops in ptx_facts.items():
-        atomics = [op for op in ops if op.startswith("atom.")]
-        if key.startswith("stats/"):
-            assert atomics == ["atom.global.gpu.acq_rel.add.u32"], (key, atomics)
-            assert "bar.sync" in ops and "ld.global.cg.b64" in ops, key
-        else:
-            assert not atomics, (key, atomics)
+        assert not [op for op in ops if op.startswith("atom.")], key

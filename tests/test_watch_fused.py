@@ -1,10 +1,10 @@
-"""A watched scaler on the Triton backend takes its statistics from the launches that already
-read every gradient (``unscale_``, the fused-optimizer route's check, the clip's write pass;
-a gradient bucket through its parameters' views), each tensor finished by its last program:
-the same launches as without a watch and no other device op in those calls, amax and
-inf / NaN counts exactly torch's and norms within 1e-5, at sizes over several programs, empty
-grads, inf and NaN at the edges, every float dtype; the parameters, scale and skips bit for
-bit as without a watch."""
+"""A watched scaler on the Triton backend reads the watched grads in a pass of its own before
+each unscaling call (``unscale_``, the fused-optimizer route's check, ``clip_grad_norm_``; a
+gradient bucket's grads through its parameters' views): the calls' own launches as without a
+watch, plus that read pass (per dtype group one read-only launch of the unscale kernel and
+one summing per tensor); amax and inf / NaN counts exactly torch's and norms within 1e-5, at
+sizes over several programs, empty grads, inf and NaN at the edges, every float dtype; the
+parameters, scale and skips bit for bit as without a watch."""
 
 import math
 from collections import Counter
@@ -80,13 +80,12 @@ def test_the_launches_statistics_are_torchs(triton_device, route, dtype, buckets
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_grads_over_hundreds_of_programs_finish_as_the_registered_op_finishes(
+def test_grads_over_hundreds_of_programs_sum_as_the_registered_op_sums(
         triton_device, monkeypatch, dtype):
-    """Grads over more programs than one program sums (301, 129 and 257 programs: groups of
-    128 summed, then the groups' sums; and one program; an inf in one, a NaN in another): a
-    watched ``unscale_``'s numbers equal the registered ``watch_stats`` op's bit for bit (the
-    compiled route's, summed in the same order whichever program finishes), amax and counts
-    exactly torch's, norms within 1e-5."""
+    """Grads over more programs than one round sums (301, 129 and 257 programs: rounds of
+    128; and one program; an inf in one, a NaN in another): a watched ``unscale_``'s numbers
+    equal the registered ``watch_stats`` op's bit for bit (the compiled route's), amax and
+    counts exactly torch's, norms within 1e-5."""
     from triton_scaler.kernels import unscale
 
     if unscale.is_interpreting():  # the same rounds over fewer elements
@@ -137,14 +136,14 @@ def test_watching_changes_no_result_on_the_triton_backend(triton_device, route, 
 
 @pytest.mark.parametrize("buckets", [False, True], ids=["grads", "buckets"])
 @pytest.mark.parametrize("route", ROUTES)
-def test_a_watched_call_launches_and_issues_what_an_unwatched_one_does(triton_device,
-                                                                       monkeypatch, route,
-                                                                       buckets):
+def test_a_watched_call_adds_its_read_pass_and_update_launches_as_unwatched(
+        triton_device, monkeypatch, route, buckets):
     """In a loop's third iteration, the unscaling call (``unscale_``, ``clip_grad_norm_``,
-    or the fused route's ``step``) launches the unscale kernel as often as without a watch
-    (its programs finish each watched tensor's statistics: no other launch), and ``update()``
-    launches as without a watch (its one launch records the iteration); neither issues any
-    other device op than without a watch."""
+    or the fused route's ``step``) launches what it launches without a watch plus the
+    watch's read pass over the one dtype group (one more unscale kernel launch, read-only,
+    and one launch summing per tensor) and a few tensor ops (the rows copied into the
+    watch's state); ``update()`` launches and issues as without a watch (its one launch
+    records the iteration)."""
     counted = {}
     for watch in (False, True):
         params = _params(torch.float32, triton_device)
@@ -166,16 +165,19 @@ def test_a_watched_call_launches_and_issues_what_an_unwatched_one_does(triton_de
                         scaler.clip_grad_norm_(opt, 1.0)
                     else:
                         scaler.step(opt)
-                unscaling = (launches - before, dict(ops.ops))
+                unscaling = (launches - before, ops.ops)
                 if route != "fused":
                     scaler.step(opt)
                 before = Counter(launches)
                 with _Ops() as ops:
                     scaler.update()
                 updating = (launches - before, dict(ops.ops))
-        counted[watch] = (dict(unscaling[0]), unscaling[1], dict(updating[0]), updating[1])
-    plain, watched = counted[False], counted[True]
-    assert watched == plain, counted
+        counted[watch] = (unscaling, updating)
+    (plain_launches, plain_ops), plain_update = counted[False]
+    (launches, ops), update = counted[True]
+    assert launches == plain_launches + Counter(unscale=1, finish_stats=1), counted
+    assert sum((ops - plain_ops).values()) <= 8, counted
+    assert update == plain_update, counted
 
 
 def test_a_watched_call_keeps_no_grad_alive(triton_device):

@@ -223,13 +223,11 @@ def _group_partial(group, found_inf, scale, norm_type: float, on_triton: bool) -
     return total if norm_type == math.inf else total.square()
 
 
-def _apply_coef(group, found_inf, scale, coef, write_pass: bool,
-                stats: tuple | None) -> None:
-    """``dtype(dtype(g * inv_scale) * coef)``: the Triton write pass (``write_pass``; with a
-    watch's ``stats``), else a multiplication of grads already unscaled."""
+def _apply_coef(group, found_inf, scale, coef, write_pass: bool) -> None:
+    """``dtype(dtype(g * inv_scale) * coef)``: the Triton write pass (``write_pass``), else a
+    multiplication of grads already unscaled."""
     if write_pass:
-        unscale_group(group, found_inf, scale, "triton", True, from_scale=True, clip_coef=coef,
-                      stats=stats)
+        unscale_group(group, found_inf, scale, "triton", True, from_scale=True, clip_coef=coef)
     else:
         torch._foreach_mul_(group.grads, coef)
 
@@ -258,16 +256,14 @@ def raise_nonfinite(norm_type: float) -> None:
 
 def fused_clip(optimizer: torch.optim.Optimizer, groups: list[GradGroup], mesh_groups: dict,
                found_for: PerDevice, scale: torch.Tensor, backend: str, max_norm: float,
-               norm_type: float, shard_group: Any, error_if_nonfinite: bool,
-               watched: tuple[list, list] | None = None) -> tuple[torch.Tensor, bool]:
+               norm_type: float, shard_group: Any, error_if_nonfinite: bool
+               ) -> tuple[torch.Tensor, bool]:
     """Unscale and clip ``groups`` (the optimizer's grads, collected) by their total norm:
     on the Triton backend a read pass (found_inf, a norm partial per group) and a write pass
     (``dtype(dtype(g * inv_scale) * clip_coef)``); where no group runs on Triton, torch's
     unscale and torch's norm arithmetic. Returns the total norm (float32) and whether it was
     non-finite with ``error_if_nonfinite`` (one host read; the grads are then unscaled only,
-    as torch raises after ``unscale_`` and before the clip). ``watched``: a watch's launches
-    (``GradWatch._fused_pass``): per group, the group whose write pass also stores the
-    statistics of ``dtype(g * inv_scale)``, and where (or None). No host sync otherwise."""
+    as torch raises after ``unscale_`` and before the clip). No host sync otherwise."""
     device = scale.device
     scale_for = PerDevice(scale)
     # torch's arithmetic where no group runs on the Triton kernels
@@ -291,11 +287,9 @@ def fused_clip(optimizer: torch.optim.Optimizer, groups: list[GradGroup], mesh_g
     # float64 grad, as torch's
     coef = torch.ones_like(total) if nonfinite else \
         torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    launched, stats = (groups, [None] * len(groups)) if watched is None else watched
-    for group, write_pass, group_stats in zip(launched, on_triton, stats):
+    for group, write_pass in zip(groups, on_triton):
         dev = group.device
-        _apply_coef(group, found_for.get(dev), scale_for.get(dev), coef.to(dev), write_pass,
-                    group_stats)
+        _apply_coef(group, found_for.get(dev), scale_for.get(dev), coef.to(dev), write_pass)
     for group in groups:  # a gradient bucket's buffer, written as a whole
         if group.bucket is not None:
             group.bucket.buffer_rewritten()

@@ -49,8 +49,7 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------- the scaler's device work
 def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor,
                   backend: str, write: bool, *, from_scale: bool = False, norm: int = 0,
-                  clip_coef: torch.Tensor | None = None,
-                  stats: tuple | None = None) -> torch.Tensor | None:
+                  clip_coef: torch.Tensor | None = None) -> torch.Tensor | None:
     """Unscale (or only check) one :class:`GradGroup` (grads of one device and dtype), with no
     argument checks: the scaler, which groups grads as torch does, guarantees them.
 
@@ -58,9 +57,7 @@ def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor
     (``fp32(1 / fp64(scale))``); else it is ``inv_scale``. ``clip_grad_norm_``'s passes, on the
     Triton backend only: ``norm`` (2 or -1, ``write=False``) returns the group's sum of
     squares (max ``|x|``) of the unscaled grads; ``clip_coef`` also multiplies them by it
-    before storing. Returns None otherwise. ``stats`` (a group with a plan, eager code): the
-    launch also writes its watched grads' statistics (``launch_unscale``'s ``stats``). No
-    host sync."""
+    before storing. Returns None otherwise. No host sync."""
     if is_traced():
         inv_scale = reference.inv_scale_of(scale) if from_scale else scale
         if norm:
@@ -82,7 +79,7 @@ def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor
         kernels = _backend.loaded_kernels or triton_kernels()
         return kernels.launch_unscale(plan, found_inf, scale, write=write, norm=norm,
                                       clip_coef=clip_coef, inv_from_scale=from_scale,
-                                      base=group.base, stats=stats)
+                                      base=group.base)
     if norm or clip_coef is not None:
         raise ValueError("the clip's fused passes run on the Triton backend only")
     inv_scale = reference.inv_scale_of(scale) if from_scale else scale
@@ -106,10 +103,10 @@ def watch_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor,
     """A watch's statistics of non-empty, same-device, same-dtype ``grads`` times
     ``inv_scale`` (0-d fp32 on their device): float64 ``[len(grads), 5]`` rows ``(amax, sum
     of squares, inf count, NaN count, 1)``. On the Triton backend a read-only launch of the
-    unscale kernel storing its programs' statistics, finished per grad (each grad's blocks
-    are those of every launch over it: the numbers of a watched call's own launches, bit for
-    bit); else torch's ops (:func:`reference.grad_stats`). Traced code calls the registered
-    op. No host sync."""
+    unscale kernel storing its programs' statistics, then one launch summing them per grad
+    (grads whose programs are not one run each, as grads sharing memory: torch's ops);
+    else torch's ops (:func:`reference.grad_stats`). Traced code calls the registered op,
+    which runs the same. No host sync."""
     if is_traced():
         return _ops.watch_stats(grads, inv_scale, backend)
     return _watch_stats_impl(grads, inv_scale, backend)
@@ -124,12 +121,12 @@ def _watch_stats_impl(grads: list[torch.Tensor], inv_scale: torch.Tensor,
             if plan.reusable else None
         if ranges is not None:
             device = grads[0].device
-            out = torch.empty((len(grads), 5), dtype=torch.float64, device=device)
-            table = _plans.finish_table(
-                plan.grid, [(begin, end, k) for k, (begin, end) in enumerate(ranges)], device)
+            stats = torch.empty((plan.grid, 4), dtype=torch.float64, device=device)
             kernels.launch_unscale(plan, torch.zeros((), device=device), inv_scale,
-                                   write=False, stats=_plans.finish_buffers(
-                                       plan.grid, *table, len(grads), out))
+                                   write=False, stats=stats)
+            out = torch.empty((len(grads), 5), dtype=torch.float64, device=device)
+            ranges_t = _plans.upload(torch.tensor(ranges, dtype=torch.int64), device)
+            kernels.stats.launch_finish_stats(stats, ranges_t, out)
             return out
     return reference.grad_stats(grads, inv_scale)
 

@@ -218,42 +218,9 @@ def _shares_memory(addresses: tuple[int, ...], starts: torch.Tensor, pattern: _P
     return False
 
 
-def finish_table(grid: int, tensors: list[tuple[int, int, int]], device: torch.device
-                 ) -> tuple[torch.Tensor, int]:
-    """How a watched launch of ``grid`` programs finishes its watched tensors (``tensors``:
-    each one's programs ``[begin, end)``, non-empty, and its row), as the unscale kernel's
-    ``finish_ptr`` reads it: each program's tensor (``-1``: none), then per tensor ``(begin,
-    end, row, first group, own counter)``, its programs in groups of
-    :data:`triton_scaler.kernels.stats.GROUP`. Returns the table on ``device``
-    (:func:`upload`) and the number of groups: the launch's statistics take ``grid +
-    groups`` rows, its counts ``groups + len(tensors)``."""
-    group = triton_kernels().stats.GROUP.value
-    owners = [-1] * grid
-    entries: list[int] = []
-    groups = 0
-    for t, (begin, end, row) in enumerate(tensors):
-        owners[begin:end] = [t] * (end - begin)
-        entries += (begin, end, row, groups, 0)
-        groups += -(-(end - begin) // group)
-    for t in range(len(tensors)):
-        entries[5 * t + 4] = groups + t
-    return upload(torch.tensor(owners + entries, dtype=torch.int64), device), groups
-
-
-def finish_buffers(grid: int, table: torch.Tensor, groups: int, tensors: int,
-                   rows: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A watched launch's ``stats`` (``launch_unscale``) over ``grid`` programs finishing
-    ``tensors`` tensors in ``groups`` groups through ``table`` (:func:`finish_table`): its
-    statistics buffer, the table, its counts (zero) and ``rows``, the watched tensors' rows,
-    on ``rows``' device."""
-    device = rows.device
-    return (torch.empty((grid + groups, 4), dtype=torch.float64, device=device), table,
-            torch.zeros(groups + tensors, dtype=torch.int32, device=device), rows)
-
-
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor of planning (a chunk table, a watch's program ranges) on ``device``: on
+    """A CPU tensor of planning (a chunk table's rows or starts, a watch's program ranges) on
+    ``device``: on
     the CPU the tensor itself; on CUDA through pinned memory and ``non_blocking``, so the
     upload does not wait for the stream (a pageable copy would). No host sync."""
     if device.type == "cpu":

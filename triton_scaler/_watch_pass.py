@@ -1,8 +1,6 @@
-"""What a watch (:class:`triton_scaler.telemetry.GradWatch`) adds to the scaler's passes:
-where each Triton launch stores its programs' statistics and which watched rows they finish
-into (:func:`plan_pass`, kept per optimizer as a :class:`FusedPass`); the parameters a watch
-takes (:func:`named_parameters_of`); and its sharded rows reduced over their process groups
-(:func:`reduced_over_shards`)."""
+"""What a watch (:class:`triton_scaler.telemetry.GradWatch`) takes and reads apart from its
+device state: the parameters it watches (:func:`named_parameters_of`), and its sharded rows
+reduced over their process groups (:func:`reduced_over_shards`)."""
 
 from __future__ import annotations
 
@@ -12,135 +10,7 @@ from typing import Any
 
 import torch
 
-from ._backend import triton_kernels
 from ._distributed import is_dtensor, reduce_rows
-from ._grads import GradGroup
-from ._plans import finish_buffers, finish_table, plan_unscale, program_ranges
-
-
-def plan_pass(index: dict[int, int], groups: list, rows: torch.Tensor) -> FusedPass:
-    """How a watch reads the launches over ``groups`` (the optimizer's grads, collected): per
-    group, what its launch stores and finishes (a Triton launch on ``rows``' device over grads
-    whose programs run one grad after another, or a gradient bucket's stand-in): the
-    ``stats`` of ``launch_unscale``, whose watched tensors (``index``: id(parameter) -> row)
-    finish into ``rows``."""
-    device = rows.device
-    stats: list[tuple[torch.Tensor, ...] | None] = []
-    numels: list[tuple[int, ...] | None] = []
-    stand_ins: list = []
-    covered: set[int] = set()
-    empty: list[int] = []
-    for group in groups:
-        plan, indices = group.plan, group.indices
-        ranges = None
-        stand_in = None
-        if plan is not None and indices is not None and group.device == device:
-            block = triton_kernels().unscale.BLOCK
-            if group.bucket is None:
-                if plan.reusable:
-                    ranges = program_ranges(plan, group.grads, block)
-            else:
-                stand_in, ranges = _bucket_stand_in(group, block)
-                if stand_in is not None:
-                    group, plan = stand_in, stand_in.plan
-        stand_ins.append(stand_in if ranges is not None else None)
-        numels.append(tuple(map(_NUMEL, group.grads)) if ranges is not None and
-                      stand_in is None else None)
-        if ranges is None:
-            stats.append(None)
-            continue
-        tensors = []
-        for k, (begin, end) in enumerate(ranges):
-            row = index.get(id(group.params[indices[k]]))
-            if row is not None:
-                covered.add(row)
-                if begin == end:
-                    empty.append(row)
-                else:
-                    tensors.append((begin, end, row))
-        stats.append(finish_buffers(plan.grid, *finish_table(plan.grid, tensors, device),
-                                    len(tensors), rows) if tensors else None)
-    return FusedPass(groups, numels, stand_ins if any(x is not None for x in stand_ins) else [],
-                     stats, covered, empty)
-
-
-_NUMEL = torch.Tensor.numel
-
-
-class FusedPass:
-    """One optimizer's launches as a watch reads them (:meth:`GradWatch._fused_pass`)."""
-
-    __slots__ = ("plans", "indices", "numels", "grids", "stand_ins", "stats", "covered",
-                 "empty", "fallback")
-
-    def __init__(self, groups: list, numels: list, stand_ins: list, stats: list,
-                 covered: set[int], empty: list[int]) -> None:
-        # what tells a later call's groups launch the same programs over the same parameters:
-        # the same plans (objects), or for a group whose launch stores statistics new plans
-        # (grads at new addresses) over grads of the same sizes (``numels``)
-        # (a plan that holds a grad, its base, is not kept: the grads must be freed)
-        self.plans = [_kept(group) for group in groups]
-        self.indices = [group.indices for group in groups]
-        self.numels = numels
-        self.grids = [None if group.plan is None else (group.plan.grid, group.plan.table is None)
-                      for group in groups]
-        # per group (empty: none), what launches in a gradient bucket's place: its
-        # parameters' views (the same elements and results, one run of programs each)
-        self.stand_ins = stand_ins
-        self.stats = stats  # per group, its launch's ``stats`` (None: none)
-        self.covered = covered  # the watch's rows of these grads
-        self.empty = empty  # those of empty grads (no program: the watch fills them once)
-        #: (row, parameter) of the watched grads no launch covers (set by the watch)
-        self.fallback: list[tuple[int, torch.Tensor]] = []
-
-    def fits(self, groups: list) -> bool:
-        """``groups`` launch the same programs over the same parameters: these plans, or
-        plans of as many programs, each run over grads of the same sizes as these."""
-        if len(groups) != len(self.plans):
-            return False
-        for k, (group, plan, indices) in enumerate(zip(groups, self.plans, self.indices)):
-            if group.indices is not indices:
-                return False
-            new = group.plan
-            if new is plan:
-                continue
-            numels = self.numels[k]
-            if numels is None or new is None or not new.reusable or \
-                    (new.grid, new.table is None) != self.grids[k] or \
-                    (group.numels or tuple(map(_NUMEL, group.grads))) != numels:
-                return False
-            self.plans[k] = _kept(group)
-        return True
-
-
-def _kept(group: Any) -> Any:
-    """What a :class:`FusedPass` keeps of a group's plan: the plan itself when it holds no
-    grad (a bucket's, over its buffer), else a marker that no plan matches
-    (the next call compares sizes)."""
-    plan = group.plan
-    return plan if plan is None or plan.base is None or group.bucket is not None else _NO_PLAN
-
-
-_NO_PLAN = object()
-
-
-def _bucket_stand_in(group: Any, block: int) -> tuple[Any, list[tuple[int, int]] | None]:
-    """What launches in a gradient bucket's group's place for a watch: the same elements in
-    one run of programs per parameter (a chunk table over its parameters' views, launched
-    from the buffer itself: no tensor over the buffer is kept, which would count as a grad
-    held elsewhere), and each parameter's programs; ``(None, None)`` where that cannot be."""
-    bucket = group.bucket
-    views = [bucket.view(i) for i in group.indices]
-    plan = plan_unscale(views)
-    first = next((v for v in views if v.numel()), None)
-    if not plan.reusable or first is None or first.data_ptr() != bucket.buffer.data_ptr():
-        return None, None
-    ranges = program_ranges(plan, views, block)
-    if ranges is None:
-        return None, None
-    plan.base = None  # the launch's base is the buffer itself (``GradGroup.base``)
-    return GradGroup(group.device, [bucket.buffer], params=group.params, indices=group.indices,
-                     plan=plan, base=bucket.buffer), ranges
 
 
 def named_parameters_of(model: Any) -> list[tuple[str, torch.Tensor]]:

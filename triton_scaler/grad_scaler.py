@@ -353,13 +353,13 @@ class GradScaler(ScalerState):
         torch._C._set_grad_enabled(False)
         try:
             groups, mesh_groups = collect_grads(optimizer, allow_fp16, self._backend, write)
-            # with a watch, the launches also store the watched grads' statistics
-            launched, stats = (groups, [None] * len(groups)) if self._watch is None else \
-                self._watch._fused_pass(optimizer, groups, self._scale)
-            for group, group_stats in zip(launched, stats):
+            if self._watch is not None:  # its read pass, before the grads are written
+                self._watch._observe(optimizer, reference.inv_scale_of(self._scale)
+                                     if from_scale else inv_scale)
+            for group in groups:
                 device = group.device
                 unscale_group(group, found_for.get(device), inv_for.get(device),
-                              self._backend, write, from_scale=from_scale, stats=group_stats)
+                              self._backend, write, from_scale=from_scale)
             if write:
                 self._note_written_padding(optimizer, groups)
             if mesh_groups:
@@ -841,12 +841,11 @@ class GradScaler(ScalerState):
         with torch.no_grad():
             groups, mesh_groups = collect_grads(optimizer, self._unscales_fp16, self._backend,
                                                 True)
-            # with a watch: the groups to launch and what each launch stores
-            watched = None if self._watch is None else \
-                self._watch._fused_pass(optimizer, groups, self._scale)
+            if self._watch is not None:  # its read pass, before the grads are written
+                self._watch_grads(optimizer)
             total, nonfinite = fused_clip(optimizer, groups, mesh_groups, found_for,
                                           self._scale, self._backend, max_norm, norm_type,
-                                          shard_group, error_if_nonfinite, watched)
+                                          shard_group, error_if_nonfinite)
             # a bucket's padding times a NaN coefficient (a non-finite norm: an overflow) or
             # an infinite inv_scale is NaN: zeroed again in update() after an overflow
             self._note_written_padding(optimizer, groups)

@@ -7,10 +7,8 @@ steps, with one device-to-host copy. Nothing is read on the host before ``report
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import torch
 
@@ -18,9 +16,8 @@ from ._compile import is_traced
 from ._dispatch import watch_stats
 from ._distributed import is_dtensor, mesh_layout
 from ._plans import upload
-from ._watch_pass import FusedPass, named_parameters_of, plan_pass, reduced_over_shards
+from ._watch_pass import named_parameters_of, reduced_over_shards
 from ._watch_report import Overflow, SkippedStepsError, WatchReport
-from .reference import inv_scale_of
 
 __all__ = ["GradWatch", "WatchReport", "Overflow", "SkippedStepsError"]
 
@@ -69,11 +66,6 @@ class GradWatch:
         #: same rows every step: uploaded once)
         self._rows: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._seen_any: set[int] | None = set()  # until the first update: which were seen
-        #: by optimizer (weakly: an optimizer that goes takes its pass along; a plain dict
-        #: once an optimizer-like object takes no weak reference)
-        self._passes: WeakKeyDictionary | dict = WeakKeyDictionary()
-        #: the last optimizer asked for (weakly) and its pass
-        self._last_pass: tuple[weakref.ref, FusedPass] | None = None
         #: the rows of DTensor grads sharded over process groups: those groups, by row (a
         #: report reduces their shards' numbers over them); a scaler with a process_group
         #: (ShardedGradScaler, FSDP1) reduces every row over it
@@ -109,15 +101,14 @@ class GradWatch:
         :func:`~._dispatch.watch_stats` per device and dtype. Device ops only."""
         self._observe_rows(self._watched_in(optimizer), inv_scale)
 
-    def _watched_in(self, optimizer: Any, skip: set[int] | frozenset = frozenset()
-                    ) -> list[tuple[int, torch.Tensor]]:
-        """``(row, parameter)`` of each watched parameter of ``optimizer`` (not in ``skip``)."""
+    def _watched_in(self, optimizer: Any) -> list[tuple[int, torch.Tensor]]:
+        """``(row, parameter)`` of each watched parameter of ``optimizer``."""
         index = self._index
         watched = []
         for group in optimizer.param_groups:  # loops: code that dynamo traces
             for p in group["params"]:
                 i = index.get(id(p))
-                if i is not None and i not in skip:
+                if i is not None:
                     watched.append((i, p))
         return watched
 
@@ -166,61 +157,6 @@ class GradWatch:
         state["stats"].index_copy_(0, index, torch.cat(values))
         if not traced and self._seen_any is not None:
             self._seen_any.update(written)
-
-    def _fused_pass(self, optimizer: Any, groups: list, scale: torch.Tensor
-                    ) -> tuple[list, list]:
-        """Before a call's launches over ``groups`` (the optimizer's grads, collected): what
-        each Triton launch stores and finishes (its ``stats``, None for a group whose launch
-        does not), and the stats of the watched grads no launch covers recorded now by
-        :meth:`_observe_rows` (a group on the reference path or another device, a bucket's
-        first call, aliased grads). Kept per optimizer while its groups launch the same plans (a
-        training loop's steady state: no host work per parameter). Returns the groups to
-        launch (a bucket's through its parameters' views) and each one's ``stats``. In traced
-        code (``torch.compile``): the statistics now, from :func:`~._dispatch.watch_stats`
-        (the same numbers), and no launch stores any."""
-        if is_traced():
-            self._observe(optimizer, inv_scale_of(scale))
-            return groups, [None] * len(groups)
-        last = self._last_pass  # a loop with one optimizer asks for the same one each call
-        if last is not None and last[0]() is optimizer and last[1].fits(groups):
-            kept = last[1]
-        else:
-            kept = self._kept_pass(optimizer, groups, scale.device)
-        if kept.fallback:
-            self._observe_rows(kept.fallback, inv_scale_of(scale))
-        # this call's groups to launch, each bucket's as its parameters' (the others not
-        # kept: they hold this call's grads)
-        stand_ins = kept.stand_ins
-        if not stand_ins or None not in stand_ins:
-            return stand_ins or groups, kept.stats
-        return [group if stand_in is None else stand_in
-                for group, stand_in in zip(groups, stand_ins)], kept.stats
-
-    def _kept_pass(self, optimizer: Any, groups: list, device: torch.device) -> FusedPass:
-        """The pass kept for ``optimizer`` if it fits ``groups``, else a new one, kept."""
-        try:
-            kept = self._passes.get(optimizer)
-        except TypeError:  # an optimizer-like object without __weakref__: a plain dict
-            self._passes = dict(self._passes)
-            kept = self._passes.get(optimizer)
-        if kept is None or not kept.fits(groups):
-            kept = self._passes[optimizer] = self._plan_pass(optimizer, groups, device)
-        try:
-            self._last_pass = (weakref.ref(optimizer), kept)
-        except TypeError:
-            self._last_pass = None
-        return kept
-
-    def _plan_pass(self, optimizer: Any, groups: list, device: torch.device) -> FusedPass:
-        state = self._device_state(device)
-        fused = plan_pass(self._index, groups, state["stats"])
-        fused.fallback = self._watched_in(optimizer, fused.covered)
-        if fused.empty:  # an empty grad's row, the same at every call of this pass
-            index = upload(torch.tensor(fused.empty, dtype=torch.int64), state["stats"].device)
-            state["stats"].index_copy_(0, index, state["fill"][1].expand(len(fused.empty), 5))
-        if self._seen_any is not None:
-            self._seen_any.update(fused.covered)
-        return fused
 
     def _row_index(self, rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """``rows`` as a device index tensor: the one made for the last call when the rows
