@@ -254,7 +254,6 @@ def launch_unscale(
     norm: int = 0,
     clip_coef: torch.Tensor | None = None,
     inv_from_scale: bool = False,
-    base: torch.Tensor | None = None,
     stats: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Unscale (``write=True``) or only check (``write=False``) the grads of ``plan``.
@@ -271,8 +270,6 @@ def launch_unscale(
             sum of squares (max ``|x|``) of the unscaled grads.
         clip_coef: (write pass) store ``dtype(dtype(g * inv_scale) * clip_coef)``.
         inv_from_scale: see ``inv_scale``.
-        base: the launch's base grad when ``plan`` is a kept template (which holds none):
-            the grad at the template's ``base_index`` in a list laid out as its own.
         stats: a watched read pass's float64 ``[plan.grid, 4]`` (contiguous): each
             program's sum of squares, max ``|x|`` of the values that are not NaN, inf count
             and NaN count, of the unscaled (dtype-rounded) grads.
@@ -290,8 +287,7 @@ def launch_unscale(
         raise RuntimeError(plan.refusal)
     if not plan.grid:  # no elements
         return None if not norm else found_inf.new_zeros((), dtype=_partial_dtype(plan.fp64))
-    if base is None:
-        base = plan.base
+    base = plan.base
     assert base is not None  # a plan with elements has its base
     fp64 = base.dtype == torch.float64
     partials = found_inf.new_empty(plan.grid, dtype=_partial_dtype(fp64)) if norm else found_inf

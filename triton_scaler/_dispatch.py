@@ -78,8 +78,7 @@ def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor
     if plan is not None:
         kernels = _backend.loaded_kernels or triton_kernels()
         return kernels.launch_unscale(plan, found_inf, scale, write=write, norm=norm,
-                                      clip_coef=clip_coef, inv_from_scale=from_scale,
-                                      base=group.base)
+                                      clip_coef=clip_coef, inv_from_scale=from_scale)
     if norm or clip_coef is not None:
         raise ValueError("the clip's fused passes run on the Triton backend only")
     inv_scale = reference.inv_scale_of(scale) if from_scale else scale

@@ -60,24 +60,19 @@ class GradGroup:
     known) is that launch's host work. Lives for one call: it holds the grads, which
     ``zero_grad(set_to_none=True)`` must free."""
 
-    __slots__ = ("device", "grads", "numels", "addresses", "plan", "base", "reference",
-                 "padding", "mesh_groups", "params", "indices", "bucket")
+    __slots__ = ("device", "grads", "numels", "addresses", "plan", "reference", "padding",
+                 "mesh_groups", "bucket")
 
-    def __init__(self, device, grads, numels=None, addresses=None, plan=None, base=None,
-                 padding=None, mesh_groups=None, reference=False, params=None,
-                 indices=None, bucket=None) -> None:
+    def __init__(self, device, grads, numels=None, addresses=None, plan=None, padding=None,
+                 mesh_groups=None, reference=False, bucket=None) -> None:
         self.device, self.grads, self.numels, self.addresses = device, grads, numels, addresses
-        # base: the launch's base tensor when ``plan`` holds none (a watch's stand-in)
-        self.plan, self.base = plan, base
+        self.plan = plan
         self.reference = reference  # known to run on the reference path (no plan)
         self.padding = padding  # a bucket's (GradBucket.padding)
         # DTensor grads: the groups they are sharded over (() when replicated: whole on every
         # rank); None for plain grads (a clip's shards over its shard_group, when given)
         self.mesh_groups = mesh_groups
-        # where known (a kept layout's group): grads[k] is params[indices[k]].grad, both
-        # objects the layout's own (the same each step); a bucket's group (``bucket``, whose
-        # one grad is the bucket's buffer): its parameters, indices set while each got a grad
-        self.params, self.indices, self.bucket = params, indices, bucket
+        self.bucket = bucket  # a bucket's group: its one grad is the bucket's buffer
 
     def launch_target(self, contiguous: bool | None = None) -> UnscalePlan:
         """What :func:`triton_scaler.kernels.launch_unscale` takes for this group: the plan,
@@ -98,9 +93,7 @@ class _Layout:
         self.n_buckets = len(self.buckets)
         # (the buffers live as long as the buckets)
         self.bucket_groups = [GradGroup(b.device, [b.buffer], (b.buffer.numel(),),
-                                        padding=b.padding, params=b.params, bucket=b)
-                              for b in self.buckets]
-        self.bucket_indices = [list(range(len(b.params))) for b in self.buckets]
+                                        padding=b.padding, bucket=b) for b in self.buckets]
         params = list(_live_params(optimizer))
         live = frozenset(map(id, params))
         # a bucket holding a parameter the optimizer no longer has (replaced by a new list)
@@ -121,10 +114,11 @@ class _Layout:
         for i, p in enumerate(outside):
             by_key[p.device, p.dtype].append(i)
         # (device, its index as Tensor.get_device gives it, dtype, picks the group's items out
-        # of a list over the outside parameters, their indices in that list, whether the group
-        # runs on Triton)
+        # of a list over the outside parameters, whether all of them, whether the group runs
+        # on Triton)
         self.plain_groups = [(device, _index(device), dtype, _picker(indices, len(outside)),
-                              indices, resolve_backend(backend, device) == "triton")
+                              len(indices) == len(outside),
+                              resolve_backend(backend, device) == "triton")
                              for (device, dtype), indices in by_key.items()]
         self.has_fp16 = any(dtype == torch.float16 for _, dtype in by_key)
 
@@ -232,8 +226,7 @@ def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str
     fp16 = torch.float16
     flat: list[GradGroup] = []
     helds = []
-    for bucket, group, live, indices in zip(layout.buckets, layout.bucket_groups,
-                                            layout.bucket_live, layout.bucket_indices):
+    for bucket, group, live in zip(layout.buckets, layout.bucket_groups, layout.bucket_live):
         held = bucket.attach_grads()  # also gives grad None where no gradient came
         if not live:
             held = frozenset()
@@ -241,7 +234,6 @@ def grad_groups(optimizer: torch.optim.Optimizer, allow_fp16: bool, backend: str
         if held:  # no grad in the bucket: no launch and no found_inf entry, as in torch
             if bucket.dtype == fp16 and not allow_fp16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
-            group.indices = indices if held is bucket.param_ids else None
             flat.append(group)
     if helds and any(held is not ids for held, ids in helds):  # grads outside their bucket
         covered = frozenset().union(*(held for held, _ in helds))
@@ -277,16 +269,14 @@ def _groups_fast(layout: _Layout, params: list[torch.Tensor],
         return None
     numels, dtypes = tuple(map(_NUMEL, grads)), tuple(map(_DTYPE, grads))
     groups: list[GradGroup] = []
-    for device, index, dtype, pick, indices, triton in layout.plain_groups:
+    for device, index, dtype, pick, whole, triton in layout.plain_groups:
         members = pick(grads)
         if dtype not in FLOAT_DTYPES or set(pick(dtypes)) != {dtype} or \
                 set(map(_DEVICE_INDEX, members)) != {index} or members[0].device != device:
             layout.signature = None  # parameters converted in place: rebuild next step
             return None
-        whole = len(indices) == len(grads)
         group = GradGroup(device, members, numels if whole else tuple(pick(numels)),
-                          addresses if whole else tuple(pick(addresses)), params=params,
-                          indices=indices, reference=not triton)
+                          addresses if whole else tuple(pick(addresses)), reference=not triton)
         if triton:
             group.plan = _plans.plan_unscale(members, group.numels, group.addresses,
                                              all(map(_IS_CONTIGUOUS, members)))

@@ -32,10 +32,8 @@ class UnscalePlan:
     :func:`triton_scaler._plans.plan_unscale`.
 
     Attributes:
-        base: the tensor whose address, dtype and device the launch takes (the
-            ``base_index``-th non-empty grad, or its flat view); None for a plan without
-            elements.
-        base_index: that grad's index among the grads the plan was built for.
+        base: the tensor whose address, dtype and device the launch takes (the first
+            non-empty grad, or its flat view); None for a plan without elements.
         table: the int64 ``[grid, 3]`` chunk table, rows ``(grad, offset, length)`` in
             elements, the grad an index into ``starts``; None for the flat launch over ``n``
             elements of ``base``. It depends on the grads' sizes alone.
@@ -45,7 +43,6 @@ class UnscalePlan:
         grid: programs launched (0: no elements, nothing launched).
         copies: ``(grad, contiguous copy)`` pairs of gapped grads, launched over as copies
             and written back.
-        contiguous: every grad was contiguous.
         overlapping: two grads share part of their memory.
         fp64: the grads are float64 (the norm partials' precision, also for no elements).
         refusal: why a write over this plan would not give torch's op's result, or None.
@@ -53,16 +50,15 @@ class UnscalePlan:
             per grad).
     """
 
-    __slots__ = ("base", "base_index", "table", "starts", "n", "grid", "copies", "contiguous",
-                 "overlapping", "fp64", "refusal", "reusable")
+    __slots__ = ("base", "table", "starts", "n", "grid", "copies", "overlapping", "fp64",
+                 "refusal", "reusable")
 
-    def __init__(self, base: torch.Tensor | None, base_index: int, table: torch.Tensor | None,
-                 n: int, grid: int, copies: list, contiguous: bool, *,
-                 starts: torch.Tensor | None = None, overlapping: bool = False,
-                 fp64: bool = False, refusal: str | None = None) -> None:
-        self.base, self.base_index, self.table, self.n = base, base_index, table, n
-        self.starts = starts
-        self.grid, self.copies, self.contiguous = grid, copies, contiguous
+    def __init__(self, base: torch.Tensor | None, table: torch.Tensor | None, n: int,
+                 grid: int, copies: list, *, starts: torch.Tensor | None = None,
+                 overlapping: bool = False, fp64: bool = False,
+                 refusal: str | None = None) -> None:
+        self.base, self.table, self.starts, self.n = base, table, starts, n
+        self.grid, self.copies = grid, copies
         self.overlapping, self.fp64, self.refusal = overlapping, fp64, refusal
         self.reusable = not copies and not overlapping
 
@@ -91,13 +87,11 @@ def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
     if numels is None:
         numels = tuple(map(_NUMEL, grads))  # C-level passes: cheap per grad
     fp64 = bool(grads) and grads[0].dtype == torch.float64
-    base_index = 0
     if 0 in numels:
-        base_index = next((i for i, n in enumerate(numels) if n), 0)
         kept = [(g, n) for g, n in zip(grads, numels) if n]
         grads, numels, addresses = [g for g, _ in kept], tuple(n for _, n in kept), None
     if not grads:
-        return UnscalePlan(None, 0, None, 0, 0, [], True, fp64=fp64)
+        return UnscalePlan(None, None, 0, 0, [], fp64=fp64)
     copies = []
     dense = grads
     if contiguous is None:
@@ -113,13 +107,13 @@ def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
         numels = tuple(map(_NUMEL, dense))
     refusal = _copy_refusal(copies)
     if len(dense) == 1:
-        return UnscalePlan(dense[0], base_index, None, numels[0], -(-numels[0] // block),
-                           copies, contiguous, fp64=fp64, refusal=refusal)
+        return UnscalePlan(dense[0], None, numels[0], -(-numels[0] // block), copies,
+                           fp64=fp64, refusal=refusal)
     table, starts, overlapping = chunk_table(dense, numels, block, addresses)
     overlapping = overlapping or bool(copies) and \
         _copied_grad_shares_memory(grads, [g for g, _ in copies])
-    return UnscalePlan(dense[0], base_index, table, 0, table.shape[0], copies, contiguous,
-                       starts=starts, overlapping=overlapping, fp64=fp64,
+    return UnscalePlan(dense[0], table, 0, table.shape[0], copies, starts=starts,
+                       overlapping=overlapping, fp64=fp64,
                        refusal=_SHARED if overlapping else refusal)
 
 
