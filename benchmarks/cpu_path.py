@@ -32,21 +32,27 @@ def _interleaved(a, b, seconds: float = 1.0) -> tuple[float, float]:
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+def _ops_ratios(grads: list[torch.Tensor]) -> tuple[float, float]:
+    """torch's time / ours: the unscale (inv_scale just below 1), and the read-only check
+    against torch's op by 1.0."""
+    found, inv, one = torch.zeros(()), torch.tensor(INV), torch.tensor(1.0)
+    unscale = _interleaved(
+        lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv),
+        lambda: ops.non_finite_check_and_unscale_(grads, found, inv))
+    check = _interleaved(
+        lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one),
+        lambda: ops.non_finite_check_(grads, found, inv))
+    return unscale[0] / unscale[1], check[0] / check[1]
+
+
 def ops_rows() -> list[str]:
     rows = []
     for n, numel in SHAPES:
         for name, dtype in DTYPES.items():
             gen = torch.Generator().manual_seed(0)
-            grads = [torch.randn(numel, generator=gen).to(dtype) for _ in range(n)]
-            found, inv, one = torch.zeros(()), torch.tensor(INV), torch.tensor(1.0)
-            unscale = _interleaved(
-                lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv),
-                lambda: ops.non_finite_check_and_unscale_(grads, found, inv))
-            check = _interleaved(
-                lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one),
-                lambda: ops.non_finite_check_(grads, found, inv))
-            rows.append(f"| {n} x {numel} | {name} | {unscale[0] / unscale[1]:.2f} | "
-                        f"{check[0] / check[1]:.2f} |")
+            unscale, check = _ops_ratios([torch.randn(numel, generator=gen).to(dtype)
+                                          for _ in range(n)])
+            rows.append(f"| {n} x {numel} | {name} | {unscale:.2f} | {check:.2f} |")
     return rows
 
 
