@@ -36,10 +36,11 @@ class _NoOpLaunch:
 @contextlib.contextmanager
 def noop_launches() -> Iterator[Counter]:
     """Patch both scalers' device kernels to counting no-ops (see the module docstring)."""
-    from triton_scaler.kernels import unscale, update
+    from triton_scaler.kernels import stats, unscale, update
 
     counts: Counter = Counter()
     saved = [(unscale, "unscale_kernel"), (update, "update_scale_kernel"),
+             (stats, "finish_stats_kernel"),
              (unscale, "_INTERPRETED"), (unscale, "BLOCK"),
              (torch, "_amp_foreach_non_finite_check_and_unscale_"),
              (torch, "_amp_update_scale_")]
@@ -51,6 +52,7 @@ def noop_launches() -> Iterator[Counter]:
         return op
 
     replacements = [_NoOpLaunch("triton_unscale", counts), _NoOpLaunch("triton_update", counts),
+                    _NoOpLaunch("triton_finish_stats", counts),
                     True, unscale.GPU_BLOCK, torch_op("torch_unscale"), torch_op("torch_update")]
     try:
         for (module, name), value in zip(saved, replacements):

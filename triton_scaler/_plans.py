@@ -96,25 +96,35 @@ def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
     dense = grads
     if contiguous is None:
         contiguous = all(map(torch.Tensor.is_contiguous, grads))
-    if not contiguous:  # channels_last, transposed, gapped: Python work per such grad
-        dense, addresses = [], None
-        for g in grads:
-            flat = g if g.is_contiguous() else _flat_memory(g)
-            if flat is None:  # overlapping or with gaps: a correct, slower fallback
-                flat = g.contiguous()
-                copies.append((g, flat))
-            dense.append(flat)
-        numels = tuple(map(_NUMEL, dense))
+    if not contiguous:  # channels_last, transposed: their memory as it lies; gapped: copies
+        dense = [g if _is_dense(g) else _copied(g, copies) for g in grads]
+        if copies:
+            addresses = None
     refusal = _copy_refusal(copies)
+    base = dense[0] if contiguous else _flat_memory(dense[0])
     if len(dense) == 1:
-        return UnscalePlan(dense[0], None, numels[0], -(-numels[0] // block), copies,
-                           fp64=fp64, refusal=refusal)
+        return UnscalePlan(base, None, numels[0], -(-numels[0] // block), copies, fp64=fp64,
+                           refusal=refusal)
     table, starts, overlapping = chunk_table(dense, numels, block, addresses)
     overlapping = overlapping or bool(copies) and \
         _copied_grad_shares_memory(grads, [g for g, _ in copies])
-    return UnscalePlan(dense[0], table, 0, table.shape[0], copies, starts=starts,
+    return UnscalePlan(base, table, 0, table.shape[0], copies, starts=starts,
                        overlapping=overlapping, fp64=fp64,
                        refusal=_SHARED if overlapping else refusal)
+
+
+def _is_dense(g: torch.Tensor) -> bool:
+    """Whether ``g``'s elements are ``numel`` consecutive ones from its data pointer on
+    (contiguous, channels_last: C-level checks; another order, as a transpose: Python)."""
+    return g.is_contiguous() or g.dim() == 4 and \
+        g.is_contiguous(memory_format=torch.channels_last) or is_dense(g)
+
+
+def _copied(g: torch.Tensor, copies: list) -> torch.Tensor:
+    """A contiguous copy of ``g`` (overlapping or with gaps), noted in ``copies``."""
+    flat = g.contiguous()
+    copies.append((g, flat))
+    return flat
 
 
 _SHARED = ("unsupported operation: two gradients share part of their memory (one starts "
@@ -321,10 +331,10 @@ def clear() -> None:
     _patterns.clear()
 
 
-def _flat_memory(t: torch.Tensor) -> torch.Tensor | None:
-    """A 1-D contiguous view of ``t``'s memory when ``t`` is dense and non-overlapping in
-    some dimension order (channels_last, a transpose), else None."""
-    return t.as_strided((t.numel(),), (1,)) if is_dense(t) else None
+def _flat_memory(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous view of the memory of ``t``, dense in some dimension order
+    (channels_last, a transpose)."""
+    return t if t.is_contiguous() else t.as_strided((t.numel(),), (1,))
 
 
 def _copied_grad_shares_memory(grads: list[torch.Tensor], copied: list[torch.Tensor]) -> bool:
