@@ -1,8 +1,8 @@
 """The device cost of ``scaler.watch``: ``unscale_`` with a watch against without, over a
 flat gradient bucket and over many tensors, fp32 and fp16 grads (fp16 through a fused
-optimizer's check, which torch allows for fp16). On CUDA the Triton pass that unscales
-also stores the statistics and finishes each tensor's; the target at 1e8 elements is at
-most 1.03x the time without. On CPU (the reference backend) the statistics are torch's ops.
+optimizer's check, which torch allows for fp16). On CUDA the watch reads the grads in a pass
+of its own before the unscale (one read more than the unscale's read and write, and a small
+launch summing per tensor). On CPU (the reference backend) the statistics are torch's ops.
 
 ``python benchmarks/watch_cost.py OUT/watch.json`` prints the ratios (``gpu_all.sh``'s
 ``watch`` part)."""
