@@ -116,16 +116,14 @@ def _watch_stats_impl(grads: list[torch.Tensor], inv_scale: torch.Tensor,
     if resolve_backend(backend, grads[0].device) == "triton":
         kernels = _backend.loaded_kernels or triton_kernels()
         plan = _plans.plan_unscale(grads)
-        ranges = _plans.program_ranges(plan, grads, kernels.unscale.BLOCK) \
-            if plan.reusable else None
-        if ranges is not None:
+        runs = _plans.program_runs(plan, grads) if plan.reusable else None
+        if runs is not None:
             device = grads[0].device
             stats = torch.empty((plan.grid, 4), dtype=torch.float64, device=device)
             kernels.launch_unscale(plan, torch.zeros((), device=device), inv_scale,
                                    write=False, stats=stats)
             out = torch.empty((len(grads), 5), dtype=torch.float64, device=device)
-            ranges_t = _plans.upload(torch.tensor(ranges, dtype=torch.int64), device)
-            kernels.stats.launch_finish_stats(stats, ranges_t, out)
+            kernels.stats.launch_finish_stats(stats, runs, out)
             return out
     return reference.grad_stats(grads, inv_scale)
 

@@ -260,7 +260,7 @@ class _Pattern:
     device; the sizes (CPU int64; in bytes per element size, a tuple); and the addresses of
     the last grads of these sizes found not to share memory."""
 
-    __slots__ = ("rows", "sizes", "numels", "uploaded", "bytes", "apart")
+    __slots__ = ("rows", "runs", "sizes", "numels", "uploaded", "bytes", "apart")
 
     def __init__(self, numels: tuple[int, ...], block: int) -> None:
         sizes = torch.tensor(numels, dtype=torch.int64, device="cpu")
@@ -270,22 +270,25 @@ class _Pattern:
         offset = (torch.arange(owner.numel(), device="cpu") - first_chunk[owner]) * block
         self.rows = torch.stack([owner, offset, torch.clamp(sizes[owner] - offset, max=block)],
                                 1)
+        #: each grad's chunks ``[begin, end)``: its programs in a launch over the table
+        self.runs = torch.stack([first_chunk, first_chunk + n_chunks], 1)
         self.sizes, self.numels = sizes, numels
-        self.uploaded: dict[torch.device, torch.Tensor] = {}
+        self.uploaded: dict[tuple[str, torch.device], torch.Tensor] = {}
         self.bytes: dict[int, tuple[int, ...]] = {}
         #: ``(element size, addresses)`` of the last grads of these sizes found not to share
         #: memory (:func:`_shares_memory`)
         self.apart: tuple[int, tuple[int, ...]] | None = None
 
-    def rows_on(self, device: torch.device) -> torch.Tensor:
-        """The rows on ``device``, uploaded at the first call there (:func:`upload`). An
-        upload that a CUDA graph captures is not kept: it runs when the graph replays, and
-        a launch outside the graph before that must not read it."""
-        rows = self.uploaded.get(device)
+    def rows_on(self, device: torch.device, name: str = "rows") -> torch.Tensor:
+        """The rows (or ``name``: ``"runs"``) on ``device``, uploaded at the first call there
+        (:func:`upload`). An upload that a CUDA graph captures is not kept: it runs when the
+        graph replays, and a launch outside the graph before that must not read it."""
+        key = (name, device)
+        rows = self.uploaded.get(key)
         if rows is None:
-            rows = upload(self.rows, device)
+            rows = upload(getattr(self, name), device)
             if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-                self.uploaded[device] = rows
+                self.uploaded[key] = rows
         return rows
 
     def extents(self, size: int) -> tuple[int, ...]:
@@ -367,18 +370,15 @@ def _unique_starts(addresses: tuple[int, ...], numels: tuple[int, ...]
     return tuple(seen), tuple(seen.values())
 
 
-def program_ranges(plan: UnscalePlan, grads: list[torch.Tensor], block: int
-                   ) -> list[tuple[int, int]] | None:
-    """Each of ``grads``' programs ``[begin, end)`` in ``plan`` (a launch over them in chunks
-    of ``block``; empty for an empty grad), or None where its programs are not one run per
-    grad in order (grads that share memory, covered once)."""
-    numels = [g.numel() for g in grads]
+def program_runs(plan: UnscalePlan, grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """Each of the non-empty ``grads``' programs ``[begin, end)`` in ``plan`` (a launch over
+    them) as an int64 ``[len(grads), 2]`` tensor on their device (a table's kept with its
+    size pattern), or None where its programs are not one run per grad in order (grads that
+    share memory, covered once). No host sync."""
+    device = grads[0].device
     if plan.table is None:
-        if sum(1 for n in numels if n) != 1:
-            return None
-        return [(0, plan.grid) if n else (0, 0) for n in numels]
-    ranges, end = [], 0
-    for n in numels:
-        begin, end = end, end + -(-n // block)
-        ranges.append((begin, end))
-    return ranges if end == plan.grid else None
+        return upload(torch.tensor([[0, plan.grid]], dtype=torch.int64), device) \
+            if len(grads) == 1 else None
+    kernels = _backend.loaded_kernels or triton_kernels()
+    pattern = _rows(tuple(map(_NUMEL, grads)), kernels.unscale.BLOCK)
+    return pattern.rows_on(device, "runs") if pattern.rows.shape[0] == plan.grid else None

@@ -7,6 +7,8 @@ steps, with one device-to-host copy. Nothing is read on the host before ``report
 from __future__ import annotations
 
 import math
+import operator
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch
 from ._compile import is_traced
 from ._dispatch import watch_stats
 from ._distributed import is_dtensor, mesh_layout
+from ._grads import param_lists, same_param_lists
 from ._plans import upload
 from ._watch_pass import named_parameters_of, reduced_over_shards
 from ._watch_report import Overflow, SkippedStepsError, WatchReport
@@ -23,6 +26,8 @@ __all__ = ["GradWatch", "WatchReport", "Overflow", "SkippedStepsError"]
 
 #: the columns of a watch's per-parameter stats (then: seen); the norm's square is kept
 _AMAX, _SUMSQ, _INF, _NAN = range(4)
+_GRAD, _DTYPE, _DEVICE = (operator.attrgetter(name) for name in ("grad", "dtype", "device"))
+_NUMEL = torch.Tensor.numel
 
 
 class GradWatch:
@@ -66,6 +71,9 @@ class GradWatch:
         #: same rows every step: uploaded once)
         self._rows: tuple[tuple[int, ...], torch.Tensor] | None = None
         self._seen_any: set[int] | None = set()  # until the first update: which were seen
+        #: the last optimizer asked for (weakly), its parameter lists and its watched
+        #: parameters (:meth:`_watched_of`)
+        self._watched: tuple | None = None
         #: the rows of DTensor grads sharded over process groups: those groups, by row (a
         #: report reduces their shards' numbers over them); a scaler with a process_group
         #: (ShardedGradScaler, FSDP1) reduces every row over it
@@ -98,8 +106,40 @@ class GradWatch:
     def _observe(self, optimizer: Any, inv_scale: torch.Tensor) -> None:
         """Record the stats of the watched grads of ``optimizer``, still scaled, times
         ``inv_scale`` (the values an unscale by it gives, bit for bit): one
-        :func:`~._dispatch.watch_stats` per device and dtype. Device ops only."""
-        self._observe_rows(self._watched_in(optimizer), inv_scale)
+        :func:`~._dispatch.watch_stats` per device and dtype. In eager code the watched
+        parameters of the optimizer's lists are kept while it holds the same lists
+        (:meth:`_watched_of`), and non-empty plain grads of one device and dtype are read
+        with C-level passes. Device ops only."""
+        if is_traced():
+            self._observe_rows(self._watched_in(optimizer), inv_scale)
+            return
+        rows, params, watched = self._watched_of(optimizer)
+        grads = list(map(_GRAD, params))
+        if not grads or set(map(type, grads)) != {torch.Tensor} or 0 in map(_NUMEL, grads) \
+                or len(set(map(_DTYPE, grads))) != 1 or len(set(map(_DEVICE, grads))) != 1:
+            self._observe_rows(watched, inv_scale)
+            return
+        stats = self._device_state(inv_scale.device)["stats"]
+        values = watch_stats(grads, inv_scale.to(grads[0].device), self._backend)
+        stats.index_copy_(0, self._row_index(rows, stats.device), values.to(stats.device))
+        if self._seen_any is not None:
+            self._seen_any.update(rows)
+
+    def _watched_of(self, optimizer: Any) -> tuple[tuple[int, ...], list, list]:
+        """The watched parameters of ``optimizer`` (:meth:`_watched_in`) with their rows and
+        themselves apart: kept for the last optimizer asked for while it holds the same
+        parameter lists of the same lengths (``_grads.same_param_lists``)."""
+        kept = self._watched
+        if kept is not None and kept[0]() is optimizer and \
+                same_param_lists(kept[1], optimizer.param_groups):
+            return kept[2]
+        watched = self._watched_in(optimizer)
+        found = (tuple(i for i, _ in watched), [p for _, p in watched], watched)
+        try:
+            self._watched = (weakref.ref(optimizer), param_lists(optimizer.param_groups), found)
+        except TypeError:  # an optimizer-like object that takes no weak reference
+            self._watched = None
+        return found
 
     def _watched_in(self, optimizer: Any) -> list[tuple[int, torch.Tensor]]:
         """``(row, parameter)`` of each watched parameter of ``optimizer``."""
