@@ -26,7 +26,9 @@ __all__ = ["GradWatch", "WatchReport", "Overflow", "SkippedStepsError"]
 
 #: the columns of a watch's per-parameter stats (then: seen); the norm's square is kept
 _AMAX, _SUMSQ, _INF, _NAN = range(4)
-_GRAD, _DTYPE, _DEVICE = (operator.attrgetter(name) for name in ("grad", "dtype", "device"))
+_GRAD = operator.attrgetter("grad")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
 _NUMEL = torch.Tensor.numel
 
 
