@@ -92,7 +92,7 @@ def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
         grads, numels, addresses = [g for g, _ in kept], tuple(n for _, n in kept), None
     if not grads:
         return UnscalePlan(None, None, 0, 0, [], fp64=fp64)
-    copies = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     dense = grads
     if contiguous is None:
         contiguous = all(map(torch.Tensor.is_contiguous, grads))
@@ -120,7 +120,7 @@ def _is_dense(g: torch.Tensor) -> bool:
         g.is_contiguous(memory_format=torch.channels_last) or is_dense(g)
 
 
-def _copied(g: torch.Tensor, copies: list) -> torch.Tensor:
+def _copied(g: torch.Tensor, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """A contiguous copy of ``g`` (overlapping or with gaps), noted in ``copies``."""
     flat = g.contiguous()
     copies.append((g, flat))
