@@ -224,6 +224,30 @@ def test_skip_signal(backend):
     assert not scaler.last_step_skipped.item() and scaler.skipped_steps == 1
 
 
+def test_found_inf_is_the_flag_step_reads_and_zero_without_grads(backend):
+    """found_inf(opt): the agreed flag after unscale_ (1.0 at a planted inf, 0.0 clean), zero
+    for an optimizer whose parameters got no gradient (its step and update then pass), and a
+    RuntimeError before unscale_."""
+    scaler = GradScaler("cpu", backend=backend)
+    p = torch.nn.Parameter(torch.ones(5))
+    frozen = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    opt = torch.optim.SGD([p], lr=0.1)
+    for planted, expected in ((math.inf, 1.0), (1.0, 0.0)):
+        with pytest.raises(RuntimeError, match="unscale_"):
+            scaler.found_inf(opt)
+        scaler.scale((p * torch.tensor([1.0, 1, 1, 1, planted])).sum()).backward()
+        scaler.unscale_(opt)
+        scaler.unscale_(frozen)
+        assert torch.equal(scaler.found_inf(opt), torch.tensor(expected))
+        assert torch.equal(scaler.found_inf(frozen), torch.tensor(0.0))
+        before = p.detach().clone()
+        scaler.step(opt)
+        scaler.step(frozen)
+        scaler.update()
+        assert torch.equal(p.detach(), before) == (expected == 1.0)
+        opt.zero_grad()
+
+
 def test_static_scale_skips_but_never_changes(backend):
     scaler = GradScaler("cpu", init_scale=128.0, growth_interval=1, dynamic=False,
                         backend=backend)

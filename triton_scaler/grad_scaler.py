@@ -408,6 +408,36 @@ class GradScaler(ScalerState):
         if per_device:  # none: torch raises in step(), not here
             self._agree_found_inf(state)
 
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """This iteration's overflow flag for ``optimizer``'s grads, the one :meth:`step` reads.
+
+        Where :meth:`unscale_` found no grads to check (a frozen part, a loss that reaches none
+        of the optimizer's parameters), a zero flag is recorded: the iteration is then clean
+        for this optimizer's :meth:`step` and for :meth:`update` (torch's scaler raises "No
+        inf checks were recorded" there).
+
+        Args:
+            optimizer: an optimizer that :meth:`unscale_` (or :meth:`clip_grad_norm_`) saw in
+                this iteration.
+
+        Returns:
+            A 0-d float32 tensor on the scale's device, exactly 0.0 or 1.0, agreed over
+            ``process_group``. :meth:`update` zeroes it: clone it to keep it.
+
+        Raises:
+            RuntimeError: :meth:`unscale_` has not run for ``optimizer`` since :meth:`update`.
+
+        .. note:: Does not synchronise with the host.
+        """
+        state = self._per_optimizer_states.get(id(optimizer))
+        if state is None or state["stage"] is not OptState.UNSCALED:
+            raise RuntimeError("found_inf() needs unscale_(optimizer) (or clip_grad_norm_) "
+                               "first in this iteration")
+        if not state["found_inf_per_device"]:
+            flag = self._found_inf_flag(state)
+            state["found_inf_per_device"] = {flag.device: flag}
+        return self._agree_found_inf(state)
+
     def _found_inf_flag(self, state: dict[str, Any]) -> torch.Tensor:
         """A zeroed 0-d float32 found_inf for this optimizer's iteration, on the scale's
         device: its own slot of the flag buffer (the same one again, re-zeroed, if it asks

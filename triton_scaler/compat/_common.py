@@ -9,6 +9,9 @@ from collections.abc import Iterable
 
 import torch
 
+from .. import ops
+from ..policy import ScalePolicy
+
 
 def default_device(device: str | torch.device | None) -> torch.device:
     """The given device, else CUDA when available, else CPU."""
@@ -50,3 +53,14 @@ def fp32_value(value: float) -> float:
         return struct.unpack("f", struct.pack("f", value))[0]
     except OverflowError:
         return math.copysign(math.inf, value)
+
+
+def update_scale(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor,
+                 policy: ScalePolicy, backend: str,
+                 hysteresis_tracker: torch.Tensor | None = None) -> None:
+    """:func:`triton_scaler.ops.update_scale_` with ``policy``'s settings. No host sync."""
+    ops.update_scale_(scale, growth_tracker, found_inf, policy.growth_factor,
+                      policy.backoff_factor, policy.growth_interval,
+                      hysteresis_tracker=hysteresis_tracker, hysteresis=policy.hysteresis,
+                      consecutive_hysteresis=policy.consecutive_hysteresis,
+                      min_scale=policy.min_scale, max_scale=policy.max_scale, backend=backend)

@@ -74,6 +74,14 @@ class Amp:
         # optimizers whose grads hold a delay_unscale backward's scaled gradients (apex's
         # params_have_scaled_gradients): the next scale_loss does not set them aside
         self._scaled_grads: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._no_grads: torch.optim.Optimizer | None = None
+
+    def _placeholder(self) -> torch.optim.Optimizer:
+        """An optimizer whose one parameter never gets a gradient, checked by a
+        :meth:`scale_loss` without optimizers."""
+        if self._no_grads is None:
+            self._no_grads = torch.optim.SGD([torch.nn.Parameter(torch.zeros(0))], lr=0.0)
+        return self._no_grads
 
     def _scaler(self, loss_id: int, device: torch.device) -> GradScaler:
         self._check_loss_id(loss_id)
@@ -124,16 +132,17 @@ class Amp:
             self._scaled_grads.update(optimizers)
             return
         self._scaled_grads.difference_update(optimizers)
-        for opt in optimizers:
+        # no gradient is no overflow, as apex checks the grads there are: an optimizer whose
+        # parameters got none skips only on the others' overflow, and a call without
+        # optimizers is a clean step of apex's window (torch's rule would raise "No inf checks
+        # were recorded")
+        checked = optimizers or [self._placeholder()]
+        for opt in checked:
             scaler.unscale_(opt)
-            _no_gradient_is_no_overflow(scaler, id(opt))
-        if not optimizers:  # apex: a clean step of the window
-            _no_gradient_is_no_overflow(scaler, id(self))
+        flags = [scaler.found_inf(opt) for opt in checked]
         for stash in stashes:
             _add_back(stash)
         if self._dynamic and optimizers:
-            flags = [scaler._agree_found_inf(scaler._per_optimizer_states[id(opt)])
-                     for opt in optimizers]
             # one decision for the whole call, as apex's (an overflow in any of its optimizers'
             # grads skips every one's step); a new tensor: update() zeroes the scaler's flags
             found_inf = torch.stack([flag.to(flags[0].device) for flag in flags]).amax()
@@ -207,18 +216,6 @@ def _stash_grads(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, t
                 else:
                     p.grad.fill_(-0.0)
     return stash
-
-
-def _no_gradient_is_no_overflow(scaler: GradScaler, key: int) -> None:
-    """Where the optimizer under ``key`` recorded no check (its parameters got no gradient: a
-    frozen part, an optimizer of the call this loss does not reach; or no optimizer at all),
-    record a zero found_inf, as apex checks the grads there are: it then skips only on the
-    others' overflow, and a call without gradients is a clean step of apex's window (torch's
-    rule would raise "No inf checks were recorded")."""
-    state = scaler._per_optimizer_states[key]
-    if not state["found_inf_per_device"]:
-        flag = scaler._found_inf_flag(state)  # zeroed, on the scale's device
-        state["found_inf_per_device"] = {flag.device: flag}
 
 
 def _add_back(stash: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

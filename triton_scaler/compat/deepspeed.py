@@ -12,10 +12,17 @@ from collections.abc import Iterable
 
 import torch
 
-from .. import _dispatch, ops
+from .. import ops
 from .._backend import Backend, check_backend
 from ..policy import ScalePolicy, as_bool, check_scale_value
-from ._common import bool_flags, default_device, fp32_value, grads_of, overflow_flag
+from ._common import (
+    bool_flags,
+    default_device,
+    fp32_value,
+    grads_of,
+    overflow_flag,
+    update_scale,
+)
 
 _DEEPSPEED_NAMES = {"growth_interval": "scale_window", "hysteresis": "delayed_shift"}
 
@@ -130,8 +137,8 @@ class DynamicLossScaler(LossScaler):
             if (backs_off & (self._scale == self.min_scale)).item():
                 raise Exception("Current loss scale already at minimum - cannot decrease scale "
                                 "anymore. Exiting run.")
-        _dispatch.update_scale(self._scale, self._growth_tracker, found, self._policy,
-                                hysteresis_tracker=self._hysteresis, backend=self._backend)
+        update_scale(self._scale, self._growth_tracker, found, self._policy, self._backend,
+                     self._hysteresis)
         self._known_scale = None
         self._growth_tracker.copy_(torch.where(found != 0, -1, self._growth_tracker))
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .. import _dispatch, reference
+from .. import reference
 from .._backend import Backend, check_backend
 from ..policy import (
     INT32_MAX,
@@ -38,7 +38,7 @@ from ..policy import (
     as_real,
     check_scale_value,
 )
-from ._common import bool_flags, default_device, fp32_value, overflow_flag
+from ._common import bool_flags, default_device, fp32_value, overflow_flag, update_scale
 
 FoundInf = bool | torch.Tensor
 
@@ -191,9 +191,8 @@ class DynamicGradScaler(MegatronGradScaler):
         """Megatron's update from ``found_inf`` (a bool, or a one-element tensor of which any
         non-zero value is an overflow), on the device. No host read for a tensor flag."""
         found = overflow_flag(_checked_found_inf(found_inf), self._bool_flags)
-        _dispatch.update_scale(self._scale, self._growth_tracker, found, self._policy,
-                                hysteresis_tracker=self._hysteresis_tracker,
-                                backend=self._backend)
+        update_scale(self._scale, self._growth_tracker, found, self._policy, self._backend,
+                     self._hysteresis_tracker)
 
     def state_dict(self) -> dict[str, Any]:
         """Megatron's state: ``scale`` (a one-element float32 tensor, a copy),

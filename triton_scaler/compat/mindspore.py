@@ -14,11 +14,11 @@ from typing import overload
 
 import torch
 
-from .. import _dispatch, ops, reference
+from .. import ops, reference
 from .._backend import Backend, check_backend
 from ..grad_scaler import GradScaler
 from ..policy import INT32_MAX, ScalePolicy, as_bool, as_int, check_scale_value
-from ._common import bool_flags, default_device, overflow_flag
+from ._common import bool_flags, default_device, overflow_flag, update_scale
 
 TensorOrTuple = torch.Tensor | Sequence[torch.Tensor]
 
@@ -113,8 +113,7 @@ class DynamicLossScaler(StaticLossScaler):
         """Update ``scale_value`` from ``grads_finite`` (a bool or a one-element bool tensor),
         on the device. ``TypeError`` for any other flag, as MindSpore."""
         found = _overflow_flag(grads_finite, self._bool_flags)
-        _dispatch.update_scale(self.scale_value, self.counter, found, self._policy,
-                                backend=self._backend)
+        update_scale(self.scale_value, self.counter, found, self._policy, self._backend)
         return True
 
 
