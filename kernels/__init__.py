@@ -6,7 +6,8 @@ triton only: what each launch helper takes is described here (``unscale.LaunchPl
 ``update.PARAMS_LAYOUT``); planning and dispatch live in ``triton_scaler``.
 """
 
+from . import guard, stats
 from .unscale import launch_unscale
 from .update import bind_update_scale
 
-__all__ = ["bind_update_scale", "launch_unscale"]
+__all__ = ["bind_update_scale", "guard", "launch_unscale", "stats"]

@@ -85,13 +85,15 @@ def launch_finish_stats(stats: torch.Tensor, ranges: torch.Tensor, out: torch.Te
 @triton.jit
 def record_watch(
     found,  # this iteration's overflow (the scaler's flags), a scalar
+    spiked,  # whether a spike guard skipped this iteration's step, a scalar
     stats_ptr,  # *Pointer* to the watch's float64 rows of 5 (finish_tensor's out)
     overflow_ptr,  # *Pointer* to float64 rows of 2: the last overflow's inf and NaN counts
     counters_ptr,  # *Pointer* to 5 float64: last overflow step, its scale, iteration, run of
     #                skipped steps, longest run
     scale_ptr,  # *Pointer* to the fp32 scale of this iteration (before its update)
     n_rows,  # Rows at stats_ptr
-    SKIPS: tl.constexpr,  # An overflow skips the step (the run of skipped steps grows)
+    SKIPS: tl.constexpr,  # An overflow skips the step (the run of skipped steps grows; a
+    #                       guard's skip grows it too)
     ROWS_BLOCK: tl.constexpr,  # Rows read at a time
 ):
     """A watched scaler's record of one ``update()`` (run by the update kernel, ``WATCH``):
@@ -120,7 +122,7 @@ def record_watch(
     longest = tl.load(counters_ptr + 4)
     seen = hit > 0
     if SKIPS:
-        run = tl.where(seen, run + 1.0, 0.0)
+        run = tl.where(seen | spiked, run + 1.0, 0.0)
     else:
         run = run * 0.0
     tl.store(counters_ptr, tl.where(seen, iteration, last_step))

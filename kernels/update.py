@@ -38,6 +38,7 @@ def update_scale_kernel(
     stats_ptr,  # *Pointer* to a watch's float64 rows of 5 (WATCH: kernels/stats.py)
     overflow_ptr,  # *Pointer* to the watch's last overflow's counts (WATCH)
     counters_ptr,  # *Pointer* to the watch's 5 float64 counters (WATCH)
+    guard_ptr,  # *Pointer* to a spike guard's float64 statistics (GUARD: kernels/guard.py)
     n_rows,  # Rows at stats_ptr (WATCH)
     N_FOUND: tl.constexpr,  # Number of flags; any non-zero one is an overflow
     HAS_HYSTERESIS: tl.constexpr,  # Back off only when the hysteresis tracker runs out
@@ -46,6 +47,7 @@ def update_scale_kernel(
     RECORD_SKIP: tl.constexpr,  # Write last_step_skipped and the skipped-step count
     RESET_FOUND: tl.constexpr,  # Zero the flags for the next iteration
     WATCH: tl.constexpr,  # Record the iteration for a watch (before the scale changes)
+    GUARD: tl.constexpr,  # A guard's spike skipped the step: recorded, not an overflow
 ):
     # The iteration's overflow: any of the N_FOUND flags non-zero (NaN counts, as torch's
     # ``found_inf != 0``); RESET_FOUND zeroes them for the next iteration.
@@ -53,11 +55,16 @@ def update_scale_kernel(
     found = tl.max((flags != 0).to(tl.int32), axis=0) > 0
     if RESET_FOUND:
         tl.store(found_inf_ptr + tl.arange(0, N_FOUND), tl.zeros((N_FOUND,), tl.float32))
+    spiked = found & False
+    if GUARD:  # the guard's spike flag (STATS_LAYOUT's "spike"), zeroed for the next step
+        spiked = tl.load(guard_ptr + 4) != 0
+        tl.store(guard_ptr + 4, 0.0)
     if RECORD_SKIP:  # last_step_skipped (uint8 view of a bool) and the skipped-step count
-        tl.store(skipped_ptr, found.to(tl.uint8))
-        tl.store(skipped_count_ptr, tl.load(skipped_count_ptr) + found.to(tl.int64))
+        skipped = found | spiked
+        tl.store(skipped_ptr, skipped.to(tl.uint8))
+        tl.store(skipped_count_ptr, tl.load(skipped_count_ptr) + skipped.to(tl.int64))
     if WATCH:
-        record_watch(found, stats_ptr, overflow_ptr, counters_ptr, scale_ptr, n_rows,
+        record_watch(found, spiked, stats_ptr, overflow_ptr, counters_ptr, scale_ptr, n_rows,
                      RECORD_SKIP, 128)
     if DYNAMIC:
         _update_scale(scale_ptr, growth_tracker_ptr, hysteresis_tracker_ptr, params_ptr, found,
@@ -120,6 +127,7 @@ def bind_update_scale(
     skipped_count: torch.Tensor | None = None,
     reset_found: bool = False,
     watch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    guard: torch.Tensor | None = None,
 ) -> Callable[[], None]:
     """The update of ``scale`` (0-d fp32), ``growth_tracker`` and ``hysteresis_tracker`` (0-d
     int32) in place from ``found_inf`` and ``params`` (fp64, ``PARAMS_LAYOUT``), all on one
@@ -132,7 +140,9 @@ def bind_update_scale(
     ``skipped_count`` (0-d int64) record the overflow, ``reset_found`` zeroes the flags for
     the next iteration and ``dynamic=False`` leaves the scale as it is. ``watch``: a
     watch's ``(stats, overflow, counters)`` (float64, kernels/stats.py's
-    :func:`~.stats.record_watch`), recorded before the scale changes. Binding launches
+    :func:`~.stats.record_watch`), recorded before the scale changes. ``guard``: a skipping
+    spike guard's statistics (``guard.STATS_LAYOUT``), whose spike is recorded as a skipped
+    step (not an overflow: the scale does not back off) and zeroed. Binding launches
     nothing; a call is asynchronous: no host synchronisation."""
     has_hysteresis = hysteresis_tracker is not None
     n_found = found_inf.numel()
@@ -148,8 +158,9 @@ def bind_update_scale(
         skipped if record else found_inf,
         skipped_count if record else growth_tracker,
         *(watch if watch is not None else (params, params, params)),
+        params if guard is None else guard,
     ), (0 if watch is None else watch[0].shape[0],), dict(
         N_FOUND=n_found, HAS_HYSTERESIS=has_hysteresis,
         CONSECUTIVE_HYSTERESIS=consecutive_hysteresis, DYNAMIC=dynamic, RECORD_SKIP=record,
-        RESET_FOUND=reset_found, WATCH=watch is not None,
+        RESET_FOUND=reset_found, WATCH=watch is not None, GUARD=guard is not None,
     ), _OPTIONS)

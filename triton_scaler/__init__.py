@@ -10,9 +10,10 @@ from .ops import all_finite
 from .policy import ScalePolicy, ScalerArgumentError
 from .schedulers import SkipAwareScheduler
 from .sharded import ShardedGradScaler
+from .spike_guard import SpikeGuard
 from .telemetry import GradWatch, SkippedStepsError, WatchReport
 
 __all__ = ["GradScaler", "GradBuckets", "GradWatch", "MinScaleReachedError", "ScalePolicy",
            "ScalerArgumentError", "ShardedGradScaler", "SkipAwareScheduler", "SkippedStepsError",
-           "WatchReport", "all_finite", "ops"]
+           "SpikeGuard", "WatchReport", "all_finite", "ops"]
 __version__ = "0.1.0"

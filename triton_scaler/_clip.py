@@ -232,15 +232,28 @@ def _apply_coef(group, found_inf, scale, coef, write_pass: bool) -> None:
         torch._foreach_mul_(group.grads, coef)
 
 
+def clip_coefficient(total: torch.Tensor, max_norm: float, guard: Any,
+                     backend: str) -> torch.Tensor:
+    """torch's ``clamp(max_norm / (total + 1e-6), max=1)``; with a :class:`SpikeGuard`, its
+    step from ``total``, and its max norm in ``max_norm``'s place (the same bits when it is
+    ``max_norm``: torch divides a number by a tensor as ``reciprocal() * number``)."""
+    if guard is None:
+        return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    limit = guard.limit(total, max_norm, backend).to(total.dtype)
+    return torch.clamp((total + 1e-6).reciprocal() * limit, max=1.0)
+
+
 def clip_unscaled(params, max_norm: float, norm_type: float, shard_group: Any,
-                   device: torch.device, error_if_nonfinite: bool) -> torch.Tensor:
+                  device: torch.device, error_if_nonfinite: bool, guard: Any = None,
+                  backend: str = "auto") -> torch.Tensor:
     """Clip grads that are not scaled (a disabled scaler, or after ``unscale_``) by the total
-    norm of :func:`reference_total_norm`: any ``p``, plain grads sharded over ``shard_group``."""
+    norm of :func:`reference_total_norm`: any ``p``, plain grads sharded over ``shard_group``;
+    ``guard``: a :class:`SpikeGuard` that decides this step's max norm."""
     entries = _norm_entries(params)
     total = reference_total_norm(entries, norm_type, shard_group, device)
     if error_if_nonfinite and not bool(total.isfinite().item()):  # the documented read
         raise_nonfinite(norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # float64 with float64 grads
+    coef = clip_coefficient(total, max_norm, guard, backend)  # float64 with float64 grads
     with torch.no_grad():
         for grad, _ in entries:
             grad.mul_(coef.to(grad.device))
@@ -256,14 +269,15 @@ def raise_nonfinite(norm_type: float) -> None:
 
 def fused_clip(optimizer: torch.optim.Optimizer, groups: list[GradGroup], mesh_groups: dict,
                found_for: PerDevice, scale: torch.Tensor, backend: str, max_norm: float,
-               norm_type: float, shard_group: Any, error_if_nonfinite: bool
+               norm_type: float, shard_group: Any, error_if_nonfinite: bool, guard: Any = None
                ) -> tuple[torch.Tensor, bool]:
     """Unscale and clip ``groups`` (the optimizer's grads, collected) by their total norm:
     on the Triton backend a read pass (found_inf, a norm partial per group) and a write pass
     (``dtype(dtype(g * inv_scale) * clip_coef)``); where no group runs on Triton, torch's
     unscale and torch's norm arithmetic. Returns the total norm (float32) and whether it was
     non-finite with ``error_if_nonfinite`` (one host read; the grads are then unscaled only,
-    as torch raises after ``unscale_`` and before the clip). No host sync otherwise."""
+    as torch raises after ``unscale_`` and before the clip). ``guard``: a
+    :class:`SpikeGuard` that decides the max norm from the total. No host sync otherwise."""
     device = scale.device
     scale_for = PerDevice(scale)
     # torch's arithmetic where no group runs on the Triton kernels
@@ -285,8 +299,9 @@ def fused_clip(optimizer: torch.optim.Optimizer, groups: list[GradGroup], mesh_g
     nonfinite = error_if_nonfinite and not bool(total.isfinite().item())
     # the coefficient is formed from the norm before its float32 rounding: float64 with any
     # float64 grad, as torch's
-    coef = torch.ones_like(total) if nonfinite else \
-        torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = clip_coefficient(total, max_norm, guard, backend)
+    if nonfinite:
+        coef = torch.ones_like(total)
     for group, write_pass in zip(groups, on_triton):
         dev = group.device
         _apply_coef(group, found_for.get(dev), scale_for.get(dev), coef.to(dev), write_pass)

@@ -19,11 +19,13 @@ its schema says, except ``unscale_norm_``, which returns the norm partial:
 * ``update_scale_(scale, growth_tracker, found_inf, hysteresis_tracker, <settings>, backend,
   params)``;
 * ``scaler_update_(scale, growth_tracker, flags, hysteresis_tracker, skipped, skipped_count,
-  params, <settings>, backend)``: the one launch of :meth:`GradScaler.update`;
+  guard, params, <settings>, backend)``: the one launch of :meth:`GradScaler.update`;
 * ``before_backward_(token)``: the gradient buckets' host-side note that a backward
   follows; ``token`` is declared mutated so that the op stays in the graph, in order;
 * ``watch_stats(grads, inv_scale, backend) -> Tensor``: a watch's statistics of the grads
-  (:func:`watch_stats`), mutating nothing.
+  (:func:`watch_stats`), mutating nothing;
+* ``spike_guard_(stats, settings, norm, zscore, clip_mean, skip, backend)``: a spike guard's
+  step (:func:`spike_guard_step`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from .policy import ScalePolicy, cached_policy
 
 if TYPE_CHECKING:
     from ._grads import GradGroup
+
+_GUARD_SPIKE = 4  # a spike guard's "spike" (kernels/guard.py's STATS_LAYOUT)
 
 
 # ---------------------------------------------------------------- the scaler's device work
@@ -132,6 +136,26 @@ def _watch_stats_fake(grads, inv_scale, backend) -> torch.Tensor:
     return grads[0].new_empty((len(grads), 5), dtype=torch.float64)
 
 
+def spike_guard_step(stats: torch.Tensor, settings: torch.Tensor, norm: torch.Tensor,
+                     zscore: bool, clip_mean: bool, skip: bool, backend: str) -> None:
+    """One step of a :class:`~triton_scaler.SpikeGuard` on the device: ``stats`` updated in
+    place from ``norm`` (one launch on Triton, torch's ops otherwise; the same bits). Traced
+    code calls the registered op. No host sync."""
+    if is_traced():
+        _ops.spike_guard_(stats, settings, norm, zscore, clip_mean, skip, backend)
+    else:
+        _spike_guard_impl(stats, settings, norm, zscore, clip_mean, skip, backend)
+
+
+def _spike_guard_impl(stats: torch.Tensor, settings: torch.Tensor, norm: torch.Tensor,
+                      zscore: bool, clip_mean: bool, skip: bool, backend: str) -> None:
+    if resolve_backend(backend, stats.device) == "triton":
+        kernels = _backend.loaded_kernels or triton_kernels()
+        kernels.guard.launch_spike_guard(stats, settings, norm, zscore, clip_mean, skip)
+    else:
+        reference.spike_guard_(stats, settings, norm, zscore, clip_mean, skip)
+
+
 def note_backward(token: torch.Tensor) -> None:
     """Tell the gradient buckets that a backward follows (host only): in traced code, the
     registered op that does it where the compiled ``scale`` runs."""
@@ -145,26 +169,28 @@ def scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torc
                   policy: ScalePolicy, *, hysteresis_tracker: torch.Tensor | None,
                   skipped: torch.Tensor, skipped_count: torch.Tensor,
                   params: torch.Tensor, backend: str, skipped_bytes: torch.Tensor | None = None,
-                  watch: Any = None) -> None:
+                  watch: Any = None, guard: torch.Tensor | None = None) -> None:
     """:meth:`GradScaler.update`'s one launch (:func:`bind_scaler_update`), a ``watch``'s
     record (a :class:`~.telemetry.GradWatch`) included; ``skipped_bytes``: ``skipped``'s
     ``uint8`` view, when made. Traced code records for the watch in torch's ops, then calls
     the registered op, handed this iteration's overflow as a flag of its own, the flags
     zeroed after it (inductor in older torch mistranslated a copy of the flags, a view of
-    the scale's buffer)."""
+    the scale's buffer). ``guard``: a skipping spike guard's statistics (its spike skipped
+    the step: recorded, not an overflow)."""
     if not is_traced():
         bind_scaler_update(
             scale, growth_tracker, flags, policy, hysteresis_tracker=hysteresis_tracker,
             skipped=skipped if skipped_bytes is None else skipped_bytes,
             skipped_count=skipped_count, backend=backend, params=params,
-            watch=None if watch is None else watch.update_tensors(scale.device))()
+            watch=None if watch is None else watch.update_tensors(scale.device), guard=guard)()
         return
     if watch is not None:  # the overflow and the scale it came at
         reference.record_watch_(flags, policy.skip_on_overflow, scale,
-                                *watch.update_tensors(scale.device))
+                                *watch.update_tensors(scale.device),
+                                spiked=None if guard is None else guard[_GUARD_SPIKE] != 0)
     found = (flags != 0).any().float().reshape(1)
     _ops.scaler_update_(
-        scale, growth_tracker, found, hysteresis_tracker, skipped, skipped_count, params,
+        scale, growth_tracker, found, hysteresis_tracker, skipped, skipped_count, guard, params,
         policy.growth_factor, policy.backoff_factor, policy.growth_interval,
         policy.hysteresis, policy.consecutive_hysteresis, policy.min_scale, policy.max_scale,
         policy.dynamic, policy.skip_on_overflow, backend)
@@ -175,15 +201,17 @@ def bind_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags:
                        policy: ScalePolicy, *, hysteresis_tracker: torch.Tensor | None,
                        skipped: torch.Tensor, skipped_count: torch.Tensor, backend: str,
                        params: torch.Tensor | None,
-                       watch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                       ) -> Callable[[], None]:
+                       watch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                       guard: torch.Tensor | None = None) -> Callable[[], None]:
     """The whole of :meth:`GradScaler.update` on the device, bound: each call of the result
     is one update. An overflow is any non-zero entry of ``flags`` (1-D fp32, one per
     optimizer); it is recorded in ``skipped`` (0-d bool, or its ``uint8`` view, made once by
     the scaler) and ``skipped_count`` (0-d int64) when ``policy.skip_on_overflow``, the scale
     is updated when ``policy.dynamic``, and ``flags`` is zeroed; ``watch``: a watch's
     ``(stats, overflow, counters)`` record the iteration first (:func:`reference.record_watch_`;
-    on Triton in the update's own launch when they are on the scale's device). One launch per
+    on Triton in the update's own launch when they are on the scale's device); ``guard``: a
+    skipping spike guard's statistics, whose spike is recorded in ``skipped`` and
+    ``skipped_count`` (not an overflow) and zeroed. One launch per
     call on Triton (a watch's tensors on another device: their record's ops before it); no
     host sync."""
     if resolve_backend(backend, scale.device) == "triton":
@@ -193,23 +221,29 @@ def bind_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags:
             policy.kernel_params(scale.device) if params is None else params,
             hysteresis_tracker, policy.consecutive_hysteresis, dynamic=policy.dynamic,
             skipped=skipped if policy.skip_on_overflow else None,
-            skipped_count=skipped_count, reset_found=True, watch=watch if in_launch else None)
+            skipped_count=skipped_count, reset_found=True, watch=watch if in_launch else None,
+            guard=guard)
         if watch is None or in_launch:
             return update
 
         def record_and_update() -> None:
-            reference.record_watch_(flags, policy.skip_on_overflow, scale, *watch)
+            reference.record_watch_(flags, policy.skip_on_overflow, scale, *watch,
+                                    spiked=None if guard is None else guard[_GUARD_SPIKE] != 0)
             update()
 
         return record_and_update
 
     def reference_update() -> None:
+        spiked = None if guard is None else guard[_GUARD_SPIKE] != 0
         if watch is not None:
-            reference.record_watch_(flags, policy.skip_on_overflow, scale, *watch)
+            reference.record_watch_(flags, policy.skip_on_overflow, scale, *watch, spiked=spiked)
         found = (flags != 0).any()
         if policy.skip_on_overflow:
-            skipped.copy_(found)
-            skipped_count.add_(found)
+            skips = found if spiked is None else found | spiked
+            skipped.copy_(skips)
+            skipped_count.add_(skips)
+        if guard is not None:
+            guard[_GUARD_SPIKE].zero_()
         if policy.dynamic:
             reference.update_scale_(scale, growth_tracker, found.float(), policy,
                                     hysteresis_tracker)
@@ -393,7 +427,8 @@ def _clip_impl(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: to
 
 def _scaler_update_impl(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
                         hysteresis_tracker: torch.Tensor | None, skipped: torch.Tensor,
-                        skipped_count: torch.Tensor, params: torch.Tensor,
+                        skipped_count: torch.Tensor, guard: torch.Tensor | None,
+                        params: torch.Tensor,
                         growth_factor: float, backoff_factor: float, growth_interval: int,
                         hysteresis: int, consecutive_hysteresis: bool, min_scale: float,
                         max_scale: float, dynamic: bool, skip_on_overflow: bool,
@@ -405,7 +440,8 @@ def _scaler_update_impl(scale: torch.Tensor, growth_tracker: torch.Tensor, flags
                            skip_on_overflow=skip_on_overflow)
     bind_scaler_update(scale, growth_tracker, flags, policy,
                        hysteresis_tracker=hysteresis_tracker, skipped=skipped.view(torch.uint8),
-                       skipped_count=skipped_count, backend=backend, params=params)()
+                       skipped_count=skipped_count, backend=backend, params=params,
+                       guard=guard)()
 
 
 def _before_backward_impl(token: torch.Tensor) -> None:
@@ -432,9 +468,10 @@ _define("unscale_clip_", ("grads", "found_inf"), _clip_impl)
 _define("update_scale_", ("scale", "growth_tracker", "hysteresis_tracker"),
         update_scale_with_settings)
 _define("scaler_update_", ("scale", "growth_tracker", "flags", "hysteresis_tracker", "skipped",
-                           "skipped_count"), _scaler_update_impl)
+                           "skipped_count", "guard"), _scaler_update_impl)
 _define("before_backward_", ("token",), _before_backward_impl)
 _define("watch_stats", (), _watch_stats_impl, _watch_stats_fake)
+_define("spike_guard_", ("stats",), _spike_guard_impl)
 
 #: ``torch.ops.triton_scaler``: the registered ops, e.g. ``_ops.scaler_update_``.
 _ops = getattr(torch.ops, _NAMESPACE)

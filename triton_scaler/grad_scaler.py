@@ -34,6 +34,7 @@ from ._state import FOUND_INF_SLOTS, ScalerState
 from ._step import step_takes_grad_scaler
 from ._warn import warn_at_caller
 from .policy import ScalePolicy, check_scale_value
+from .spike_guard import SpikeGuard
 from .telemetry import GradWatch
 
 
@@ -244,7 +245,17 @@ class GradScaler(ScalerState):
         skip_on_overflow: bool = True,
         backend: Backend = "auto",
         process_group: Any = None,
+        spike_guard: SpikeGuard | None = None,
     ) -> None:
+        if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
+            raise TypeError(f"spike_guard must be a SpikeGuard or None; got "
+                            f"{type(spike_guard).__name__}")
+        if spike_guard is not None and spike_guard.skips and skip_on_overflow is False:
+            raise ValueError("spike_guard with action='skip' skips steps, and "
+                             "skip_on_overflow=False says steps are never skipped: use "
+                             "action='clip', or skip_on_overflow=True")
+        self._guard = spike_guard
+        self._guarded = False  # whether this iteration's clip ran the guard
         self._policy = ScalePolicy.create(dict(
             growth_factor=growth_factor, backoff_factor=backoff_factor,
             growth_interval=growth_interval, hysteresis=hysteresis,
@@ -478,6 +489,7 @@ class GradScaler(ScalerState):
         """Forget this iteration's per-optimizer states; the flags are zero again."""
         self._per_optimizer_states = defaultdict(fresh_optimizer_state)
         self._slots_taken = 0
+        self._guarded = False
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -581,12 +593,18 @@ class GradScaler(ScalerState):
             # ("'int' object has no attribute 'device'"); the plain route's error instead
             raise AssertionError("No inf checks were recorded for this optimizer.")
         if state["found_inf_per_device"] and self._policy.skip_on_overflow:
-            found_inf = self._agree_found_inf(state)
+            found_inf = self._step_flag(state)
         else:  # no grads (torch hands the optimizer 0), or steps are never skipped
             found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         unscaled = state["stage"] is OptState.UNSCALED
         return _fused_optimizer_step(optimizer, None if unscaled else self._scale, found_inf,
                                      args, kwargs, checked_now)
+
+    def _step_flag(self, state: dict[str, Any]) -> torch.Tensor:
+        """Whether the optimizer's step is skipped (0-d float32, 0.0 or 1.0): the agreed
+        found_inf, or with a skipping spike guard its clip's flag (an overflow or a spike)."""
+        flag = state.get("skip_flag")
+        return flag if flag is not None else self._agree_found_inf(state)
 
     def _agree_found_inf(self, state: dict[str, Any]):
         """0-d float32 found_inf on the scale's device, exactly 0.0 or 1.0: the max over
@@ -649,7 +667,7 @@ class GradScaler(ScalerState):
         attach_grads_of(optimizer)  # GradBuckets: grad None where no gradient came, as torch
         if not self._policy.skip_on_overflow:
             return False
-        agreed = self._agree_found_inf(optimizer_state)
+        agreed = self._step_flag(optimizer_state)
         span, index = self._host_read_span(optimizer_state, agreed)
         values = span.tolist()  # the one host sync of the plain route, as torch's item()
         written = optimizer_state.pop("written_padding", ())  # no overflow: still zero
@@ -698,6 +716,9 @@ class GradScaler(ScalerState):
                 assert new_scale.requires_grad is False, reason
                 scale.copy_(new_scale)
             flags.zero_()
+            guard = None if self._guard is None else self._guard.skip_statistics()
+            if guard is not None:  # a spike of this iteration is forgotten too
+                guard[4].zero_()
             self._reset_iteration()
             return
         states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
@@ -719,7 +740,8 @@ class GradScaler(ScalerState):
                       hysteresis_tracker=self._hysteresis_tracker_t,
                       skipped=self._last_step_skipped, skipped_count=self._skipped_steps_t,
                       skipped_bytes=self._last_step_skipped_bytes, params=self._params_t,
-                      backend=self._backend, watch=self._watch)
+                      backend=self._backend, watch=self._watch,
+                      guard=None if self._guard is None else self._guard.skip_statistics())
         self._reset_iteration()
         if self._watch is not None:
             self._watch._updated()
@@ -848,6 +870,12 @@ class GradScaler(ScalerState):
             raise NotImplementedError(
                 "clip_grad_norm_ takes dense gradients only; a parameter has a sparse one "
                 "(torch.nn.utils.clip_grad_norm_ does not take them either)")
+        guard = self._guard if self._enabled else None
+        if guard is not None and self._guarded:
+            raise RuntimeError("the spike guard takes one clip_grad_norm_ per iteration (its "
+                               "statistics are the whole model's norm); this iteration's clip "
+                               "already ran it: clip every optimizer's grads in one call, or "
+                               "call update() first")
         if not self._enabled and shard_group is None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                                   error_if_nonfinite).float()
@@ -860,12 +888,14 @@ class GradScaler(ScalerState):
             self.unscale_(optimizer)  # no grads: as torch, unscale_ records none, norm 0
             self._per_optimizer_states[id(optimizer)]["unscaled_by_clip"] = True
             device = self._scale.device
-            if shard_group is None:
+            if shard_group is None and guard is None:
                 total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                                        error_if_nonfinite)
                 return total.float().to(device)
-            return clip_unscaled(params, max_norm, norm_type, shard_group, device,
-                                 error_if_nonfinite)
+            total = clip_unscaled(params, max_norm, norm_type, shard_group, device,
+                                  error_if_nonfinite, guard, self._backend)
+            self._after_guard(optimizer, guard)
+            return total
         state = self._ready_to_unscale(optimizer, "unscale_")  # torch's unscale_ errors
         found_for = PerDevice(self._found_inf_flag(state))
         with torch.no_grad():
@@ -875,7 +905,7 @@ class GradScaler(ScalerState):
                 self._watch_grads(optimizer)
             total, nonfinite = fused_clip(optimizer, groups, mesh_groups, found_for,
                                           self._scale, self._backend, max_norm, norm_type,
-                                          shard_group, error_if_nonfinite)
+                                          shard_group, error_if_nonfinite, guard)
             # a bucket's padding times a NaN coefficient (a non-finite norm: an overflow) or
             # an infinite inv_scale is NaN: zeroed again in update() after an overflow
             self._note_written_padding(optimizer, groups)
@@ -886,9 +916,22 @@ class GradScaler(ScalerState):
         state["unscaled_by_clip"] = True  # named in a later unscale_'s error
         if found_for.per_device:  # none when no grad remained (GradBuckets: none received)
             self._agree_found_inf(state)
+        self._after_guard(optimizer, guard)
         if nonfinite:  # as torch: unscaled (recorded as unscale_), not clipped
             raise_nonfinite(norm_type)
         return total
+
+    def _after_guard(self, optimizer: torch.optim.Optimizer, guard: SpikeGuard | None) -> None:
+        """After a guarded clip: the iteration's guard step is taken; a skipping guard's
+        spike joins the optimizer's overflow in the flag its step reads."""
+        if guard is None:
+            return
+        self._guarded = True
+        state = self._per_optimizer_states[id(optimizer)]
+        spike = guard.spike()
+        if guard.skips and state["found_inf_per_device"] and spike is not None:
+            agreed = self._agree_found_inf(state)
+            state["skip_flag"] = torch.maximum(agreed, spike.to(agreed.device, torch.float32))
 
     def _shard_group(self, params: list, sharded: bool | None) -> Any:
         """The group over which plain grads are shards (None: they are whole); raises when

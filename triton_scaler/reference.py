@@ -265,17 +265,69 @@ def _chunk_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor,
 
 
 def record_watch_(flags: torch.Tensor, skips: bool, scale: torch.Tensor, stats: torch.Tensor,
-                  overflow: torch.Tensor, counters: torch.Tensor) -> None:
+                  overflow: torch.Tensor, counters: torch.Tensor,
+                  spiked: torch.Tensor | None = None) -> None:
     """A watch's record of one ``update()`` (the update kernel's ``WATCH``, in torch's ops):
     an overflow (a non-zero flag, or a watched row with inf or NaN counts) copies the rows'
     counts to ``overflow`` and sets ``counters`` ``[last overflow's iteration, its scale,
-    iteration, run of skipped steps, longest run]`` (float64: exact)."""
+    iteration, run of skipped steps, longest run]`` (float64: exact); ``spiked``: a spike
+    guard skipped the step (the run grows)."""
     found = (flags != 0).any()
     hit = found.to(counters.device).reshape(()) | (stats[:, 2:4].sum() > 0)
     overflow.copy_(torch.where(hit, stats[:, 2:4], overflow))
-    skipped = hit.double() if skips else torch.zeros_like(counters[3])
+    skip = hit if spiked is None else hit | spiked.to(counters.device).reshape(())
+    skipped = skip.double() if skips else torch.zeros_like(counters[3])
     run = (counters[3] + 1) * skipped
     counters.copy_(torch.stack([
         torch.where(hit, counters[2], counters[0]),
         torch.where(hit, scale.to(counters.device, torch.float64).reshape(()), counters[1]),
         counters[2] + 1, run, torch.maximum(counters[4], run)]))
+
+
+def spike_guard_(stats: torch.Tensor, settings: torch.Tensor, norm: torch.Tensor,
+                 zscore: bool, clip_mean: bool, skip: bool) -> None:
+    """One step of the spike guard (``kernels/guard.py``'s kernel, op for op, in torch's ops):
+    ``stats`` (float64, its ``STATS_LAYOUT``) updated in place from the total ``norm`` before
+    clipping and ``settings`` (float64, its ``SETTINGS_LAYOUT``). No host sync."""
+    alpha, beta, z_thresh, eps, clip_factor, max_norm, warmup = settings.unbind()
+    count, mean, var, _, _, spikes, last_norm, last_threshold, last_step, steps = stats.unbind()
+    x = norm.to(torch.float64).reshape(())
+    finite = x.isfinite()
+    after_warmup = count >= warmup
+    n = count + 1.0
+    before = torch.where(count > 0.0, mean / count.clamp_min(1.0), 0.0)
+    total = mean + x
+    after = total / n
+    deviations = var + (x - before) * (x - after)
+    done = n == warmup
+    warm_mean = torch.where(done, after, total)
+    warm_var = torch.where(done, deviations / n, deviations)
+    std = var.sqrt()
+    if zscore:
+        z = (x - mean) / (std + eps)
+        spike = z > z_thresh
+        threshold = mean if clip_mean else \
+            (mean + (z_thresh * std) / (z / z_thresh)) * clip_factor
+    else:
+        threshold = mean + z_thresh * std
+        spike = x > threshold
+    spike = spike & finite & after_warmup
+    value = torch.where(spike, threshold, x)
+    ema_mean = alpha * mean + beta * value
+    deviation = value - ema_mean
+    ema_var = alpha * var + beta * (deviation * deviation)
+    if skip:
+        feeds = finite & after_warmup & ~spike
+        limit = max_norm
+    else:
+        feeds = finite & after_warmup
+        limit = torch.where(spike, torch.minimum(threshold, max_norm), max_norm)
+    warming = ~after_warmup & finite
+    steps = steps + 1.0
+    stats.copy_(torch.stack([
+        torch.where(warming, n, count),
+        torch.where(warming, warm_mean, torch.where(feeds, ema_mean, mean)),
+        torch.where(warming, warm_var, torch.where(feeds, ema_var, var)),
+        limit, spike.double(), spikes + spike.double(),
+        torch.where(spike, x, last_norm), torch.where(spike, threshold, last_threshold),
+        torch.where(spike, steps, last_step), steps]))
