@@ -4,9 +4,11 @@ import math
 
 import pytest
 import torch
-from _util import assert_same
+from _loops import optimizer_for_route
+from _util import assert_all_same, assert_same
 
-from triton_scaler import GradScaler, SpikeGuard
+from triton_scaler import GradBuckets, GradScaler, SpikeGuard
+from triton_scaler.diagnostics import count_host_syncs, optimizer_step_uncounted
 from triton_scaler.spike_guard import STATS_LAYOUT
 
 zclip = pytest.importorskip("zclip")
@@ -139,3 +141,218 @@ def test_stats_layout_matches_the_kernel():
     from triton_scaler.kernels.guard import STATS_LAYOUT as KERNEL_LAYOUT
 
     assert STATS_LAYOUT == KERNEL_LAYOUT
+
+
+def _route_run(route, backend, guard, *, buckets=False, steps=12, max_norm=0.5, loss_at=None,
+               compiled=None):
+    """A loop over one route (``optimizer_for_route``) with the scaler's clip; ``loss_at``:
+    step -> loss factor; ``compiled``: compile the clip and update with fullgraph=True.
+    Returns the norms, skipped flags, scales and the parameters."""
+    model = _model()
+    opt = optimizer_for_route(route, model.parameters())
+    held = GradBuckets(opt) if buckets else None
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=3, backend=backend,
+                        spike_guard=guard)
+
+    def clip():
+        return scaler.clip_grad_norm_(opt, max_norm)
+
+    def update():
+        scaler.update()
+
+    if compiled is not None:
+        clip, update = (torch.compile(f, fullgraph=True, backend=compiled) for f in (clip, update))
+    seen = []
+    for step in range(steps):
+        x, y = _batch(step)
+        loss = torch.nn.functional.mse_loss(model(x), y) * (loss_at or {}).get(step, 1.0)
+        scaler.scale(loss).backward()
+        norm = clip()
+        scaler.step(opt)
+        update()
+        held.zero_() if held is not None else opt.zero_grad()
+        seen.append((norm.clone(), bool(scaler.last_step_skipped), scaler.get_scale()))
+    return seen, [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_runs_same(run, expected):
+    """Two :func:`_route_run` results equal: norms bit for bit, skips, scales, parameters."""
+    (seen, params), (seen_expected, params_expected) = run, expected
+    assert_all_same([norm for norm, _, _ in seen], [norm for norm, _, _ in seen_expected])
+    assert [rest for _, *rest in seen] == [rest for _, *rest in seen_expected]
+    assert_all_same(params, params_expected)
+
+
+@pytest.mark.parametrize("route, buckets", [("sgd", False), ("foreach", False), ("fused", False),
+                                            ("fused", True), ("sgd", True)])
+def test_a_guard_that_does_not_fire_is_the_plain_clip(backend, route, buckets):
+    """In its warm-up and after it, a guard that sees no spike leaves the scaler's clip as it
+    is, bit for bit: norms, skips, scales and parameters, on every step route."""
+    loss_at = {7: math.inf}
+    plain = _route_run(route, backend, None, buckets=buckets, loss_at=loss_at)
+    for guard in (SpikeGuard(warmup_steps=4, z_thresh=1e6), SpikeGuard(warmup_steps=4,
+                                                                       z_thresh=1e6,
+                                                                       action="skip")):
+        guarded = _route_run(route, backend, guard, buckets=buckets, loss_at=loss_at)
+        _assert_runs_same(guarded, plain)
+        assert guard.statistics()["count"] == 4 and guard.statistics()["spikes"] == 0
+
+
+@pytest.mark.parametrize("route, buckets", [("sgd", False), ("fused", False), ("fused", True)])
+def test_a_skipped_spike_is_a_skipped_step_but_not_an_overflow(backend, route, buckets):
+    """action="skip": a spike leaves parameters (and a fused optimizer's state) as they were,
+    counts in last_step_skipped and skipped_steps, and the scale grows on schedule (the step
+    is clean for the growth tracker); action="clip" on the same run skips nothing."""
+    loss_at = {9: 80.0}
+    guard = SpikeGuard(warmup_steps=4, action="skip")
+    seen, params = _route_run(route, backend, guard, buckets=buckets, loss_at=loss_at, steps=10)
+    before, _ = _route_run(route, backend, SpikeGuard(warmup_steps=4, action="skip"),
+                           buckets=buckets, steps=9)
+    assert [s for _, s, _ in seen] == [False] * 9 + [True]
+    assert_all_same(params, _route_run(route, backend, SpikeGuard(warmup_steps=4),
+                                       buckets=buckets, steps=9)[1])
+    assert [scale for _, _, scale in seen] == [2.0**10 * 2 ** ((i + 1) // 3) for i in range(10)]
+    assert guard.statistics()["spikes"] == 1 and guard.statistics()["last_step"] == 10
+    clipped, _ = _route_run(route, backend, SpikeGuard(warmup_steps=4), buckets=buckets,
+                            loss_at=loss_at, steps=10)
+    assert not any(s for _, s, _ in clipped)
+    assert len(before) == 9
+
+
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("action", ["clip", "skip"])
+def test_compiled_equals_eager(backend, compile_backend, action):
+    """The guarded clip and update compile with fullgraph=True and give the eager run's
+    norms, skips, scales and parameters bit for bit under aot_eager, spikes and an overflow
+    included; under inductor, which generates the clip's norm arithmetic, the same decisions
+    and the values to rounding."""
+    loss_at = {6: 50.0, 8: math.inf, 10: 70.0}
+    torch._dynamo.reset()
+    try:
+        compiled = _route_run("sgd", backend, SpikeGuard(warmup_steps=4, action=action),
+                              loss_at=loss_at, compiled=compile_backend)
+    finally:
+        torch._dynamo.reset()
+    eager = _route_run("sgd", backend, SpikeGuard(warmup_steps=4, action=action),
+                       loss_at=loss_at)
+    if compile_backend == "inductor":
+        # inductor generates the clip's norm arithmetic in its own order (docs/compile.md):
+        # the decisions are equal, the values to rounding
+        assert [rest for _, *rest in compiled[0]] == [rest for _, *rest in eager[0]]
+        torch.testing.assert_close(compiled[1], eager[1], rtol=1e-5, atol=1e-7)
+    else:
+        _assert_runs_same(compiled, eager)
+    assert sum(s for _, s, _ in eager[0]) == (3 if action == "skip" else 1)
+
+
+def test_no_host_read_is_added(backend):
+    """The guarded clip, step and update read the host as often as the unguarded ones: the
+    clip and update never, the plain route's step once."""
+    def reads(guard):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = GradScaler("cpu", backend=backend, spike_guard=guard)
+        counts = []
+        for step in range(8):
+            x, y = _batch(step)
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y) * (60.0 if step == 6
+                                                                    else 1.0)).backward()
+            with count_host_syncs() as c, optimizer_step_uncounted(opt, c):
+                scaler.clip_grad_norm_(opt, 1.0)
+                clip = c.count
+                scaler.step(opt)
+                scaler.update()
+            counts.append((clip, c.count))
+            opt.zero_grad()
+        return counts
+
+    plain = reads(None)
+    assert plain == [(0, 1)] * 8
+    assert reads(SpikeGuard(warmup_steps=3)) == plain
+    assert reads(SpikeGuard(warmup_steps=3, action="skip")) == plain
+
+
+@pytest.mark.parametrize("action", ["clip", "skip"])
+def test_a_resumed_run_equals_an_uninterrupted_one(backend, action, tmp_path):
+    """state_dict() carries the guard's settings and statistics: a run saved mid-way and
+    resumed into a scaler made with other guard settings equals the uninterrupted run bit for
+    bit; torch's GradScaler loads the checkpoint; a checkpoint without a guard restarts it."""
+    loss_at = {9: 60.0, 13: 70.0}
+
+    def run(steps, start=None):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        scaler = GradScaler("cpu", growth_interval=3, backend=backend,
+                            spike_guard=SpikeGuard(warmup_steps=4, action=action)
+                            if start is None else SpikeGuard(alpha=0.5, warmup_steps=2))
+        first = 0
+        if start is not None:
+            saved = torch.load(start, weights_only=False)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            scaler.load_state_dict(saved["scaler"])
+            first = saved["step"]
+        norms = []
+        for step in range(first, steps):
+            x, y = _batch(step)
+            loss = torch.nn.functional.mse_loss(model(x), y) * loss_at.get(step, 1.0)
+            scaler.scale(loss).backward()
+            norms.append(scaler.clip_grad_norm_(opt, 0.5))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if step == 7 and start is None:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                            "scaler": scaler.state_dict(), "step": 8}, tmp_path / "ck.pt")
+        return norms, [p.detach().clone() for p in model.parameters()], scaler
+
+    norms, params, scaler = run(16)
+    resumed_norms, resumed, resumed_scaler = run(16, tmp_path / "ck.pt")
+    assert_all_same(resumed_norms, norms[8:])
+    assert_all_same(resumed, params)
+    assert resumed_scaler.state_dict() == scaler.state_dict()
+    assert scaler.state_dict()["spike_guard"]["statistics"][STATS_LAYOUT.index("spikes")] >= 2
+    saved = torch.load(tmp_path / "ck.pt", weights_only=False)["scaler"]
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(saved)
+    assert theirs.get_scale() == saved["scale"]
+    restarted = GradScaler("cpu", backend=backend, spike_guard=SpikeGuard(warmup_steps=4))
+    restarted.load_state_dict(torch.amp.GradScaler("cpu").state_dict() | {"scale": 8.0})
+    assert restarted.state_dict()["spike_guard"]["statistics"] == [0.0] * len(STATS_LAYOUT)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(alpha=1.0), ValueError, "alpha"), (dict(alpha=0), ValueError, "alpha"),
+    (dict(alpha="0.9"), TypeError, "alpha"), (dict(z_thresh=0.0), ValueError, "z_thresh"),
+    (dict(z_thresh=math.inf), ValueError, "z_thresh"),
+    (dict(warmup_steps=0), ValueError, "warmup_steps"),
+    (dict(warmup_steps=2.0), TypeError, "warmup_steps"),
+    (dict(mode="median"), ValueError, "mode"), (dict(mode=1), TypeError, "mode"),
+    (dict(clip_option="max"), ValueError, "clip_option"),
+    (dict(clip_factor=-1.0), ValueError, "clip_factor"),
+    (dict(action="raise"), ValueError, "action"), (dict(action=None), TypeError, "action"),
+])
+def test_bad_settings_are_named(kwargs, error, match):
+    """Each bad setting raises ValueError or TypeError naming the argument."""
+    with pytest.raises(error, match=match):
+        SpikeGuard(**kwargs)
+
+
+def test_misuse_is_refused(backend):
+    """A guard that is not a SpikeGuard, a skipping guard with skip_on_overflow=False, a
+    second guarded clip in one iteration and a bad checkpoint entry raise, named."""
+    with pytest.raises(TypeError, match="spike_guard"):
+        GradScaler("cpu", spike_guard=zclip.ZClip())
+    with pytest.raises(ValueError, match="skip_on_overflow"):
+        GradScaler("cpu", skip_on_overflow=False, spike_guard=SpikeGuard(action="skip"))
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = GradScaler("cpu", backend=backend, spike_guard=SpikeGuard())
+    scaler.scale(model(torch.ones(2, 8)).sum()).backward()
+    assert torch.isfinite(scaler.clip_grad_norm_(opt, math.inf))  # accepted with a guard
+    with pytest.raises(RuntimeError, match="one clip_grad_norm_ per iteration"):
+        scaler.clip_grad_norm_(opt, 1.0)
+    state = scaler.state_dict()
+    state["spike_guard"] = dict(state["spike_guard"], alpha=2.0)
+    with pytest.raises(ValueError, match=r"spike_guard.*alpha"):
+        scaler.load_state_dict(state)

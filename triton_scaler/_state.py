@@ -11,6 +11,7 @@ from ._backend import Backend
 from ._compile import is_traced
 from ._warn import warn_at_caller
 from .policy import FP32_TINY, INT32_MAX, INT32_MIN, ScalePolicy, as_int, check_scale_value
+from .spike_guard import SpikeGuard
 
 EXTENSION_KEYS = ("hysteresis", "_hysteresis_tracker", "consecutive_hysteresis", "min_scale",
                   "max_scale", "raise_at_min_scale", "dynamic", "skip_on_overflow",
@@ -54,6 +55,7 @@ class ScalerState(torch.amp.GradScaler):
     _policy: ScalePolicy
     _backend: Backend  # GradScaler's arguments
     _process_group: Any
+    _guard: SpikeGuard | None
     #: torch's, narrowed: read only once made (the first ``scale()`` or ``unscale_``)
     _scale: torch.Tensor
     _growth_tracker: torch.Tensor
@@ -269,7 +271,8 @@ class ScalerState(torch.amp.GradScaler):
 
         Returns:
             torch's five keys plus the extension settings, the hysteresis tracker and the
-            skipped-step count; ``{}`` when disabled.
+            skipped-step count, and a spike guard's settings and statistics
+            (``"spike_guard"``) when one is on; ``{}`` when disabled.
 
         .. note:: Synchronises with the host (reads the device state), as torch's.
         """
@@ -280,6 +283,8 @@ class ScalerState(torch.amp.GradScaler):
                   "_hysteresis_tracker": self._get_hysteresis_tracker(),
                   "skipped_steps": self.skipped_steps}
         state.update((key, values[key]) for key in EXTENSION_KEYS)
+        if self._guard is not None:
+            state["spike_guard"] = self._guard.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -287,7 +292,8 @@ class ScalerState(torch.amp.GradScaler):
 
         Every key is validated, with the constructor's rules, before anything changes.
         Unknown keys are ignored, as torch's; torch's dicts keep this instance's extension
-        settings. A no-op when disabled.
+        settings. A saved spike guard replaces this scaler's (or becomes its guard); a dict
+        without one restarts this scaler's guard at its warm-up. A no-op when disabled.
 
         Args:
             state_dict: from :meth:`state_dict` of either class.
@@ -328,7 +334,20 @@ class ScalerState(torch.amp.GradScaler):
             hysteresis_tracker = min(self._get_hysteresis_tracker(), policy.hysteresis)
         skipped = as_int(_state_key("skipped_steps"),
                          state_dict.get("skipped_steps", self._init_skipped_steps), 0, _INT64_MAX)
+        guard = self._guard
+        if "spike_guard" in state_dict:
+            guard = SpikeGuard.from_state_dict(state_dict["spike_guard"],
+                                               _state_key("spike_guard"))
+        elif guard is not None:  # a checkpoint without one: the guard starts its warm-up
+            guard = SpikeGuard(**guard.settings())
+        if guard is not None and guard.skips and not policy.skip_on_overflow:
+            raise ValueError(f"{_state_key('spike_guard')} skips steps (action='skip') and "
+                             "skip_on_overflow is False")
         # Validated: now change everything.
+        if self._guard is None:
+            self._guard = guard
+        elif guard is not None:
+            self._guard.load_from(guard)
         self._set_policy(policy)
         self._init_scale = scale
         self._init_growth_tracker = growth_tracker
