@@ -26,7 +26,7 @@ STATS_LAYOUT = ("count", "mean", "var", "limit", "spike", "spikes", "last_norm",
 #: The float64 settings (``one_minus_alpha`` formed on the host, as ZClip's ``1 - alpha``).
 SETTINGS_LAYOUT = ("alpha", "one_minus_alpha", "z_thresh", "eps", "clip_factor", "max_norm",
                    "warmup_steps")
-_OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}
+_GUARD_OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}
 
 
 @triton.jit
@@ -102,4 +102,4 @@ def launch_spike_guard(stats: torch.Tensor, settings: torch.Tensor, norm: torch.
     """One guard step: ``stats`` (float64, ``STATS_LAYOUT``) updated in place from ``norm``
     (0-d) and ``settings`` (float64, ``SETTINGS_LAYOUT``), all on one device. No host sync."""
     launch(spike_guard_kernel, 1, (stats, settings, norm), (),
-           dict(ZSCORE=zscore, CLIP_MEAN=clip_mean, SKIP=skip), _OPTIONS)
+           dict(ZSCORE=zscore, CLIP_MEAN=clip_mean, SKIP=skip), _GUARD_OPTIONS)

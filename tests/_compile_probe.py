@@ -20,6 +20,7 @@ import triton.backends.nvidia  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton_scaler.kernels.guard import spike_guard_kernel  # noqa: E402
 from triton_scaler.kernels.stats import finish_stats_kernel  # noqa: E402
 from triton_scaler.kernels.unscale import (  # noqa: E402
     GPU_BLOCK,
@@ -192,18 +193,26 @@ def main():
                      "found_inf_ptr": "*fp32", "hysteresis_tracker_ptr": "*i32",
                      "params_ptr": "*fp64", "skipped_ptr": "*u8", "skipped_count_ptr": "*i64",
                      "stats_ptr": "*fp64", "overflow_ptr": "*fp64", "counters_ptr": "*fp64",
-                     "n_rows": "i32",
+                     "guard_ptr": "*fp64", "n_rows": "i32",
                      **{name: "constexpr" for name in ("N_FOUND", "HAS_HYSTERESIS",
                                                        "CONSECUTIVE_HYSTERESIS", "DYNAMIC",
-                                                       "RECORD_SKIP", "RESET_FOUND", "WATCH")}}
-        # ops.update_scale_ / the scaler's whole update() / a watched scaler's
-        for kind in ("op", "scaler", "scaler+watch"):
+                                                       "RECORD_SKIP", "RESET_FOUND", "WATCH",
+                                                       "GUARD")}}
+        # ops.update_scale_ / the scaler's whole update() / a watched one / a skipping guard's
+        for kind in ("op", "scaler", "scaler+watch", "scaler+guard"):
             scaler = kind != "op"
             facts[f"update/hysteresis={hysteresis}/{kind}"] = _compile(
                 update_scale_kernel, signature,
                 {"N_FOUND": 8 if scaler else 1, "HAS_HYSTERESIS": hysteresis,
                  "CONSECUTIVE_HYSTERESIS": False, "DYNAMIC": True, "RECORD_SKIP": scaler,
-                 "RESET_FOUND": scaler, "WATCH": kind == "scaler+watch"}, {}, 1)
+                 "RESET_FOUND": scaler, "WATCH": kind == "scaler+watch",
+                 "GUARD": kind == "scaler+guard"}, {}, 1)
+    for mode, clip_mean, skip in ((True, False, False), (True, True, True), (False, False, True)):
+        facts[f"guard/zscore={mode}/mean={clip_mean}/skip={skip}"] = _compile(
+            spike_guard_kernel, {"stats_ptr": "*fp64", "settings_ptr": "*fp64",
+                                 "norm_ptr": "*fp32", "ZSCORE": "constexpr",
+                                 "CLIP_MEAN": "constexpr", "SKIP": "constexpr"},
+            {"ZSCORE": mode, "CLIP_MEAN": clip_mean, "SKIP": skip}, {}, 1)
     if TARGET.backend == "hip":  # what FUSED_ADD sees of a contraction: x * x + 1, fused
         facts["control/fp32/fused_multiply_add"] = _compile(
             _multiply_add, {"x_ptr": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 1024}, {},

@@ -45,8 +45,8 @@ def _vector(ops, access: str) -> bool:
 
 
 def test_every_variant_compiles(amd_facts):
-    # as test_ptx.py's 63, and the fusion control
-    assert len(_variants(amd_facts)) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4 * 2 + 1 + 6
+    # as test_ptx.py's 68, and the fusion control
+    assert len(_variants(amd_facts)) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4 * 2 + 1 + 8 + 3
     assert _CONTROL in amd_facts
 
 

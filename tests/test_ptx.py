@@ -25,9 +25,9 @@ def ptx_facts():
 
 def test_every_variant_compiles(ptx_facts):
     # 16 dtype x path x mode, 6 unaligned-size flat, 2 inv-from-scale, 24 clip (dtype x path
-    # x pass), 8 a watch's read pass (dtype x path) and its per-tensor sums, 6 update (op,
-    # scaler, watched scaler; with and without hysteresis)
-    assert len(ptx_facts) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4 * 2 + 1 + 6
+    # x pass), 8 a watch's read pass (dtype x path) and its per-tensor sums, 8 update (op,
+    # scaler, watched scaler, skipping guard; with and without hysteresis), 3 spike guard
+    assert len(ptx_facts) == 4 * 2 * 2 + 6 + 2 + 4 * 2 * 3 + 4 * 2 + 1 + 8 + 3
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -80,6 +80,17 @@ def test_update_factor_math_is_fp64(ptx_facts):
         ops = ptx_facts[key]
         assert any(op.startswith("mul") and op.endswith(".f64") for op in ops), ops
         assert "cvt.rn.f32.f64" in ops, ops  # the fp64 product rounded once to fp32
+
+
+def test_guard_is_ieee_fp64_without_contraction(ptx_facts):
+    """The spike guard's kernel divides and takes square roots IEEE-rounded in fp64 and
+    fuses no multiply-add, as the reference path's torch ops compute."""
+    keys = [key for key in ptx_facts if key.startswith("guard/")]
+    assert len(keys) == 3, keys
+    for key in keys:
+        ops = ptx_facts[key]
+        assert "div.rn.f64" in ops and "sqrt.rn.f64" in ops, (key, ops)
+        assert not [op for op in ops if op.startswith(("fma", "mad"))], (key, ops)
 
 
 def test_unscale_keeps_fp32_multiply(ptx_facts):
