@@ -356,3 +356,31 @@ def test_misuse_is_refused(backend):
     state["spike_guard"] = dict(state["spike_guard"], alpha=2.0)
     with pytest.raises(ValueError, match=r"spike_guard.*alpha"):
         scaler.load_state_dict(state)
+
+
+_SPAWNED: dict = {}
+
+
+@pytest.mark.skipif(not torch.distributed.is_available()
+                    or not torch.distributed.is_gloo_available(), reason="needs gloo")
+@pytest.mark.parametrize("engine", ["fsdp2", "ddp", "fsdp1"])
+def test_every_rank_decides_alike(backend, engine, tmp_path_factory):
+    """Under FSDP2, DDP and FSDP1 (2 gloo ranks, a spike in rank 1's batch only) every rank
+    gets the same global norm, spike, skip, scale and guard statistics, and the skipping guard
+    leaves every rank's parameters as the clipping guard's were before the spike."""
+    from _guard_worker import SPIKE_STEP, run_guarded
+    from _spawn import spawned_results
+
+    ranks = spawned_results(_SPAWNED, f"guard_{backend}", run_guarded, tmp_path_factory,
+                            backend)
+    for action in ("clip", "skip"):
+        results = [rank[(engine, action)] for rank in ranks]
+        assert all("error" not in r for r in results), results
+        first, second = results
+        assert first["norms"] == second["norms"] and first["skipped"] == second["skipped"]
+        assert first["statistics"] == second["statistics"]
+        assert first["scale"] == second["scale"]
+        spikes = first["statistics"][STATS_LAYOUT.index("spikes")]
+        assert spikes >= 1 and first["statistics"][STATS_LAYOUT.index("last_step")] > SPIKE_STEP
+        assert first["skipped"][SPIKE_STEP] == (action == "skip")
+        assert_all_same(first["params"], second["params"])
