@@ -384,3 +384,36 @@ def test_every_rank_decides_alike(backend, engine, tmp_path_factory):
         assert spikes >= 1 and first["statistics"][STATS_LAYOUT.index("last_step")] > SPIKE_STEP
         assert first["skipped"][SPIKE_STEP] == (action == "skip")
         assert_all_same(first["params"], second["params"])
+
+
+def test_the_watch_reports_spikes_and_counts_skipped_ones_as_skips(backend):
+    """A watch's report counts the guard's spikes with the last one's step, norm and
+    threshold (in .metrics() too); two skipped spikes in a row exceed max_consecutive_skips=1
+    although no gradient overflowed."""
+    from triton_scaler import SkippedStepsError
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = SpikeGuard(warmup_steps=4, action="skip")
+    scaler = GradScaler("cpu", backend=backend, spike_guard=guard)
+    watch = scaler.watch(model, max_consecutive_skips=1)
+    assert watch.report().spikes == 0 and watch.report().last_spike is None
+    norms = []
+    for step in range(9):
+        x, y = _batch(step)
+        factor = {6: 80.0, 7: 90.0}.get(step, 1.0)
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y) * factor).backward()
+        norms.append(scaler.clip_grad_norm_(opt, 1.0).item())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    with pytest.raises(SkippedStepsError, match="2 steps in a row") as raised:
+        watch.report()
+    report = raised.value.report
+    stats = guard.statistics()
+    assert report.spikes == 2 and report.skipped_steps == 2 and report.last_overflow is None
+    assert report.last_spike.step == 8 and report.last_spike.norm == norms[7]
+    assert report.last_spike.threshold == stats["last_threshold"] < norms[7]
+    metrics = report.metrics()
+    assert metrics["spikes"] == 2.0 and metrics["last_spike_step"] == 8.0
+    assert all(isinstance(v, float) for v in metrics.values())

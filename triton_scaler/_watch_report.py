@@ -43,6 +43,23 @@ class Overflow:
 
 
 @dataclasses.dataclass(frozen=True)
+class Spike:
+    """The last gradient-norm spike a :class:`~triton_scaler.SpikeGuard` found.
+
+    Attributes:
+        step: the guard's step at the spike (its clips since the run began, 1 for the first;
+            a checkpoint carries it).
+        norm: the total norm of that step, before clipping.
+        threshold: the guard's threshold there (the norm it clipped to, before the min with
+            ``max_norm``; for a skipping guard, the one the norm exceeded).
+    """
+
+    step: int
+    norm: float
+    threshold: float
+
+
+@dataclasses.dataclass(frozen=True)
 class WatchReport:
     """What :meth:`GradWatch.report` read: Python numbers only.
 
@@ -58,7 +75,11 @@ class WatchReport:
         scale: the loss scale now.
         skipped_steps: steps skipped since the scaler was made.
         consecutive_skips: steps skipped in a row up to now.
-        most_consecutive_skips: the longest run of skipped steps since the last report.
+        most_consecutive_skips: the longest run of skipped steps since the last report
+            (a spike guard's skips count).
+        spikes: spikes the scaler's spike guard found since the run began (0: none, or no
+            guard).
+        last_spike: the last of them, or None.
     """
 
     step: int
@@ -71,6 +92,8 @@ class WatchReport:
     skipped_steps: int
     consecutive_skips: int
     most_consecutive_skips: int
+    spikes: int = 0
+    last_spike: Spike | None = None
 
     @property
     def total_norm(self) -> float:
@@ -91,7 +114,8 @@ class WatchReport:
         Returns:
             ``{prefix}{name}/norm``, ``/amax``, ``/inf``, ``/nan`` per parameter or group
             (those that had a gradient), and ``{prefix}total_norm``, ``scale``,
-            ``skipped_steps``, ``consecutive_skips``, ``nonfinite_params``.
+            ``skipped_steps``, ``consecutive_skips``, ``nonfinite_params``, ``spikes``, and
+            after a spike ``last_spike_step``, ``last_spike_norm``, ``last_spike_threshold``.
         """
         group_of = _group_function(rollup)
         groups: dict[str, list[float]] = {}
@@ -116,6 +140,11 @@ class WatchReport:
         out[f"{prefix}consecutive_skips"] = float(self.consecutive_skips)
         out[f"{prefix}nonfinite_params"] = float(sum(
             1 for name, (inf, nan) in self.nonfinite.items() if inf or nan))
+        out[f"{prefix}spikes"] = float(self.spikes)
+        if self.last_spike is not None:
+            out[f"{prefix}last_spike_step"] = float(self.last_spike.step)
+            out[f"{prefix}last_spike_norm"] = self.last_spike.norm
+            out[f"{prefix}last_spike_threshold"] = self.last_spike.threshold
         return out
 
 

@@ -796,16 +796,20 @@ class GradScaler(ScalerState):
         return watch
 
     def _scale_and_skips(self, device: torch.device | None) -> torch.Tensor:
-        """What a watch's report reads: float64 ``(scale, skipped steps)`` on ``device``
-        (None: the scale's), the device values once made, else the host's (1.0 and the
+        """What a watch's report reads: float64 ``(spikes, last spike's norm, threshold and
+        step, scale, skipped steps)`` on ``device`` (None: the scale's), the device values
+        once made (the spikes: a guard's, zeros without one), else the host's (1.0 and the
         saved count when disabled). No host sync."""
         if self._enabled and self._scale is not None:
             assert self._skipped_steps_t is not None  # made with the scale
+            spikes = None if self._guard is None else self._guard.spike_record()
             values = torch.stack([self._scale.double().reshape(()),
                                   self._skipped_steps_t.double().reshape(())])
+            values = torch.cat([values.new_zeros(4) if spikes is None
+                                else spikes.to(values.device), values])
             return values if device is None else values.to(device)
-        return torch.tensor([self.get_scale(), float(self.skipped_steps)], dtype=torch.float64,
-                            device=device or "cpu")
+        return torch.tensor([0.0] * 4 + [self.get_scale(), float(self.skipped_steps)],
+                            dtype=torch.float64, device=device or "cpu")
 
     def _unwatch(self) -> None:
         self._watch = None

@@ -127,6 +127,11 @@ class SpikeGuard:
         step."""
         return None if self._stats is None else self._stats[_SPIKE]
 
+    def spike_record(self) -> torch.Tensor | None:
+        """The spikes so far, the last one's norm, threshold and step (a float64 view of the
+        device statistics), None before the first step."""
+        return None if self._stats is None else self._stats[5:9]
+
     def statistics(self) -> dict[str, float]:
         """The statistics by name: ``count`` (finite warm-up steps seen), ``mean`` and
         ``var`` (during the warm-up: the norms' sum and squared deviations), ``limit`` and

@@ -20,9 +20,9 @@ from ._distributed import is_dtensor, mesh_layout
 from ._grads import param_lists, same_param_lists
 from ._plans import upload
 from ._watch_pass import named_parameters_of, reduced_over_shards
-from ._watch_report import Overflow, SkippedStepsError, WatchReport
+from ._watch_report import Overflow, SkippedStepsError, Spike, WatchReport
 
-__all__ = ["GradWatch", "WatchReport", "Overflow", "SkippedStepsError"]
+__all__ = ["GradWatch", "WatchReport", "Overflow", "SkippedStepsError", "Spike"]
 
 #: the columns of a watch's per-parameter stats (then: seen); the norm's square is kept
 _AMAX, _SUMSQ, _INF, _NAN = range(4)
@@ -273,6 +273,7 @@ class GradWatch:
                                               self._sharded, self._process_group)
         packed = torch.cat([stats.t().reshape(-1), overflow.t().reshape(-1), counters, extra])
         values = packed.tolist()  # the one host copy
+        spikes, spike_norm, spike_threshold, spike_step = values[-6:-2]
         scale_now, skipped = values[-2], int(values[-1])
         counters[4].fill_(0)  # the longest run of skipped steps: since this report
         columns = [values[k * n:(k + 1) * n] for k in range(7)]
@@ -291,7 +292,8 @@ class GradWatch:
             nonfinite={name: (int(i), int(j)) for name, i, j in zip(names, inf, nan)},
             has_grad={name: bool(s) for name, s in zip(names, seen)},
             last_overflow=last_overflow, scale=scale_now, skipped_steps=skipped,
-            consecutive_skips=int(run), most_consecutive_skips=int(most))
+            consecutive_skips=int(run), most_consecutive_skips=int(most), spikes=int(spikes),
+            last_spike=Spike(int(spike_step), spike_norm, spike_threshold) if spikes else None)
         self._raise_if_too_many_skips(most, report)
         return report
 
@@ -325,5 +327,6 @@ class GradWatch:
 
 
 def _no_scaling(device: torch.device | None) -> torch.Tensor:
-    """``(scale, skipped steps)`` of a watch without a scaler behind it: 1.0 and 0."""
-    return torch.tensor([1.0, 0.0], dtype=torch.float64, device=device or "cpu")
+    """``(no spikes, scale, skipped steps)`` of a watch without a scaler behind it: zeros,
+    1.0 and 0."""
+    return torch.tensor([0.0] * 4 + [1.0, 0.0], dtype=torch.float64, device=device or "cpu")
