@@ -53,7 +53,8 @@ _GUARD_SPIKE = 4  # a spike guard's "spike" (kernels/guard.py's STATS_LAYOUT)
 # ---------------------------------------------------------------- the scaler's device work
 def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor,
                   backend: str, write: bool, *, from_scale: bool = False, norm: int = 0,
-                  clip_coef: torch.Tensor | None = None) -> torch.Tensor | None:
+                  clip_coef: torch.Tensor | None = None, strict: bool = False
+                  ) -> torch.Tensor | None:
     """Unscale (or only check) one :class:`GradGroup` (grads of one device and dtype), with no
     argument checks: the scaler, which groups grads as torch does, guarantees them.
 
@@ -61,7 +62,9 @@ def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor
     (``fp32(1 / fp64(scale))``); else it is ``inv_scale``. ``clip_grad_norm_``'s passes, on the
     Triton backend only: ``norm`` (2 or -1, ``write=False``) returns the group's sum of
     squares (max ``|x|``) of the unscaled grads; ``clip_coef`` also multiplies them by it
-    before storing. Returns None otherwise. No host sync."""
+    before storing. A check (``write=False``) of CPU grads is torch's unscale by 1.0 (as
+    torch's scaler checks them) unless ``strict``: then nothing is written. Returns None
+    otherwise. No host sync."""
     if is_traced():
         inv_scale = reference.inv_scale_of(scale) if from_scale else scale
         if norm:
@@ -86,7 +89,7 @@ def unscale_group(group: GradGroup, found_inf: torch.Tensor, scale: torch.Tensor
     if norm or clip_coef is not None:
         raise ValueError("the clip's fused passes run on the Triton backend only")
     inv_scale = reference.inv_scale_of(scale) if from_scale else scale
-    if not write and found_inf.device.type == "cpu":  # the scaler's check, as torch's there
+    if not write and not strict and found_inf.device.type == "cpu":  # as torch's scaler
         reference.check_by_unscaling_by_one_(group.grads, found_inf, inv_scale)
     else:
         _reference_unscale(group.grads, found_inf, inv_scale, write)

@@ -56,6 +56,7 @@ class ScalerState(torch.amp.GradScaler):
     _backend: Backend  # GradScaler's arguments
     _process_group: Any
     _guard: SpikeGuard | None
+    _scaling: bool = True
     #: torch's, narrowed: read only once made (the first ``scale()`` or ``unscale_``)
     _scale: torch.Tensor
     _growth_tracker: torch.Tensor
@@ -124,9 +125,15 @@ class ScalerState(torch.amp.GradScaler):
         self._params_t = torch.tensor(self._policy.kernel_values(), dtype=torch.float64,
                                       device=dev)
 
+    def _home(self) -> torch.device:
+        """The scaler's device (``"cuda"``: the current CUDA device)."""
+        return torch.device(self._device)
+
     def _check_state(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         """torch's ``_check_scale_growth_tracker`` (which traced code cannot call: dynamo
         skips torch.amp): the scale and growth tracker, or torch's error."""
+        if self._scale is None and not self._scaling:  # the guard-only mode: 1.0, made here
+            self._lazy_init_scale_growth_tracker(self._home())
         fix = ("This may indicate your script did not use scaler.scale(loss or outputs) "
                "earlier in the iteration.")
         if self._scale is None:
@@ -343,6 +350,9 @@ class ScalerState(torch.amp.GradScaler):
         if guard is not None and guard.skips and not policy.skip_on_overflow:
             raise ValueError(f"{_state_key('spike_guard')} skips steps (action='skip') and "
                              "skip_on_overflow is False")
+        if not self._scaling and (scale != 1.0 or policy.dynamic):
+            raise ValueError(f"{_state_key('scale')} is {scale!r} (dynamic={policy.dynamic}): a "
+                             "GradScaler(scaling=False) keeps its scale at 1.0, fixed")
         # Validated: now change everything.
         if self._guard is None:
             self._guard = guard

@@ -127,6 +127,15 @@ def fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
+def _refuse_scale_settings(**given: tuple[Any, Any]) -> None:
+    """``scaling=False`` keeps the scale at 1.0: ``ValueError`` naming a scale setting given
+    another value than its default."""
+    for name, (value, default) in given.items():
+        if value is not default and value != default:
+            raise ValueError(f"{name}={value!r} sets the loss scale, and scaling=False keeps "
+                             "it at 1.0 (the guard-only mode): leave it out")
+
+
 def _cuda_definitely_unavailable() -> bool:
     """torch's own test for its "CUDA is not available" warning (no CUDA, no torch_xla)."""
     return torch.cuda.amp.common.amp_definitely_not_available()
@@ -246,7 +255,22 @@ class GradScaler(ScalerState):
         backend: Backend = "auto",
         process_group: Any = None,
         spike_guard: SpikeGuard | None = None,
+        scaling: bool = True,
     ) -> None:
+        if not isinstance(scaling, bool):
+            raise TypeError(f"scaling must be a bool; got {type(scaling).__name__} {scaling!r}")
+        if not scaling:  # the guard-only mode: scale 1.0, fixed; checks read the grads only
+            _refuse_scale_settings(init_scale=(init_scale, 2.0**16),
+                                   growth_factor=(growth_factor, 2.0),
+                                   backoff_factor=(backoff_factor, 0.5),
+                                   growth_interval=(growth_interval, 2000),
+                                   dynamic=(dynamic, True), hysteresis=(hysteresis, 1),
+                                   consecutive_hysteresis=(consecutive_hysteresis, False),
+                                   min_scale=(min_scale, 0.0), max_scale=(max_scale, math.inf),
+                                   raise_at_min_scale=(raise_at_min_scale, False))
+            init_scale, dynamic = 1.0, False
+            self._unscales_fp16 = True  # nothing is unscaled: fp16 grads are only read
+        self._scaling = scaling
         if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
             raise TypeError(f"spike_guard must be a SpikeGuard or None; got "
                             f"{type(spike_guard).__name__}")
@@ -315,6 +339,11 @@ class GradScaler(ScalerState):
         if not self._enabled:
             return outputs
         note_backward(self._backward_token)
+        if not self._scaling:  # the guard-only mode: the outputs as they are
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(
+                    outputs.device if isinstance(outputs, torch.Tensor) else self._home())
+            return outputs if isinstance(outputs, torch.Tensor) else check_outputs(outputs)
         if isinstance(outputs, torch.Tensor):  # torch's arithmetic
             if self._scale is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
@@ -370,7 +399,8 @@ class GradScaler(ScalerState):
             for group in groups:
                 device = group.device
                 unscale_group(group, found_for.get(device), inv_for.get(device),
-                              self._backend, write, from_scale=from_scale)
+                              self._backend, write, from_scale=from_scale,
+                              strict=not self._scaling)
             if write:
                 self._note_written_padding(optimizer, groups)
             if mesh_groups:
@@ -413,7 +443,7 @@ class GradScaler(ScalerState):
                                               found_inf, self._unscales_fp16)
         else:  # the kernels form inv_scale from the scale (no extra op)
             per_device = self._unscale_or_check(optimizer, None, found_inf, self._unscales_fp16,
-                                                write=True)
+                                                write=self._scaling)
         state["found_inf_per_device"] = per_device
         state["stage"] = OptState.UNSCALED
         if per_device:  # none: torch raises in step(), not here
@@ -596,7 +626,7 @@ class GradScaler(ScalerState):
             found_inf = self._step_flag(state)
         else:  # no grads (torch hands the optimizer 0), or steps are never skipped
             found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        unscaled = state["stage"] is OptState.UNSCALED
+        unscaled = state["stage"] is OptState.UNSCALED or not self._scaling
         return _fused_optimizer_step(optimizer, None if unscaled else self._scale, found_inf,
                                      args, kwargs, checked_now)
 
