@@ -117,9 +117,10 @@ def test_matches_zclip_after_torch_unscale(backend, settings, skip):
 @pytest.mark.parametrize("mode, clip_option, action", [
     ("zscore", "adaptive_scaling", "clip"), ("zscore", "mean", "skip"),
     ("percentile", "adaptive_scaling", "clip"), ("percentile", "mean", "skip")])
-def test_kernel_equals_the_reference_bit_for_bit(interpreter, mode, clip_option, action):
-    """The Triton kernel's statistics equal the reference path's after every step, over
-    fp32 and fp64 norms with spikes, inf, NaN and a finite max_norm and none."""
+def test_kernel_equals_the_reference_bit_for_bit(triton_device, mode, clip_option, action):
+    """The Triton kernel's statistics equal the reference path's (torch's ops on the same
+    device) after every step, over fp32 and fp64 norms with spikes, inf, NaN and a finite
+    max_norm and none."""
     g = torch.Generator().manual_seed(3)
     norms = (1.0 + 0.1 * torch.randn(40, generator=g, dtype=torch.float64)).tolist()
     for i, value in ((3, math.inf), (9, math.nan), (14, 9.0), (20, 30.0), (27, -math.inf)):
@@ -129,7 +130,8 @@ def test_kernel_equals_the_reference_bit_for_bit(interpreter, mode, clip_option,
     for i, value in enumerate(norms):
         dtype = torch.float64 if i % 3 == 0 else torch.float32
         max_norm = math.inf if i % 4 == 0 else 1.25
-        limits = [guard.limit(torch.tensor(value, dtype=dtype), max_norm, backend)
+        limits = [guard.limit(torch.tensor(value, dtype=dtype, device=triton_device),
+                              max_norm, backend)
                   for guard, backend in zip(guards, ("reference", "triton"))]
         assert_same(limits[1], limits[0])
         assert guards[1].state_dict() == guards[0].state_dict()
