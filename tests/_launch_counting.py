@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from triton_scaler.kernels import stats, unscale, update
+from triton_scaler.kernels import guard, stats, unscale, update
 
 from triton_scaler import GradBuckets
 
@@ -62,6 +62,8 @@ def _launches(monkeypatch):
                         _Counted(update.update_scale_kernel, "update", counts))
     monkeypatch.setattr(stats, "finish_stats_kernel",
                         _Counted(stats.finish_stats_kernel, "finish_stats", counts))
+    monkeypatch.setattr(guard, "spike_guard_kernel",
+                        _Counted(guard.spike_guard_kernel, "guard", counts))
     yield counts
 
 

@@ -419,3 +419,35 @@ def test_the_watch_reports_spikes_and_counts_skipped_ones_as_skips(backend):
     metrics = report.metrics()
     assert metrics["spikes"] == 2.0 and metrics["last_spike_step"] == 8.0
     assert all(isinstance(v, float) for v in metrics.values())
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_one_launch_more_than_the_plain_clip(interpreter, monkeypatch, buckets):
+    """On the Triton backend a guarded clip launches what the plain clip launches plus the
+    guard's one program; update() stays one launch (a skipping guard's spike recorded in it);
+    the device ops outside the kernels grow by a fixed handful, whatever the grads."""
+    from _launch_counting import _launches, _Ops
+
+    def counts(guard, n_params):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(5 + 3 * i)) for i in range(n_params)]
+        opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+        held = GradBuckets(opt) if buckets else None
+        scaler = GradScaler("cpu", backend="triton", spike_guard=guard)
+        for step in range(3):
+            scaler.scale(sum(p.square().sum() for p in params)).backward()
+            with _launches(monkeypatch) as launched, _Ops() as ops:
+                scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            with _launches(monkeypatch) as updated:
+                scaler.update()
+            held.zero_() if held is not None else opt.zero_grad()
+        assert dict(updated) == {"update": 1}
+        return dict(launched), sum(ops.ops.values())
+
+    for n_params in (2, 9):
+        plain, plain_ops = counts(None, n_params)
+        for action in ("clip", "skip"):
+            guarded, guarded_ops = counts(SpikeGuard(action=action), n_params)
+            assert guarded == {**plain, "guard": 1}
+            assert 0 < guarded_ops - plain_ops <= 6, (plain_ops, guarded_ops)
