@@ -85,8 +85,9 @@ def _guard_run(steps, max_norm, backend, skip, **settings):
 @pytest.mark.parametrize("skip", [False, True], ids=["clip", "skip"])
 @pytest.mark.parametrize("settings", [
     dict(warmup_steps=25),
-    dict(warmup_steps=25, mode="percentile"),
-    dict(warmup_steps=25, clip_option="mean", alpha=0.9, z_thresh=2.0),
+    pytest.param(dict(warmup_steps=25, mode="percentile"), marks=pytest.mark.exhaustive),
+    pytest.param(dict(warmup_steps=25, clip_option="mean", alpha=0.9, z_thresh=2.0),
+                 marks=pytest.mark.exhaustive),
 ], ids=["zscore", "percentile", "mean"])
 def test_matches_zclip_after_torch_unscale(backend, settings, skip):
     """Norms, spikes, skipped steps, scales and parameters match zclip applied to the
@@ -221,7 +222,8 @@ def test_a_skipped_spike_is_a_skipped_step_but_not_an_overflow(backend, route, b
     assert len(before) == 9
 
 
-@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("compile_backend", [
+    "aot_eager", pytest.param("inductor", marks=pytest.mark.exhaustive)])
 @pytest.mark.parametrize("action", ["clip", "skip"])
 def test_compiled_equals_eager(backend, compile_backend, action):
     """The guarded clip and update compile with fullgraph=True and give the eager run's
