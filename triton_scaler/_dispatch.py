@@ -188,8 +188,8 @@ def scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torc
             watch=None if watch is None else watch.update_tensors(scale.device), guard=guard)()
         return
     if watch is not None:  # the overflow and the scale it came at
-        reference.record_watch_(flags, policy.skip_on_overflow, scale,
-                                *watch.update_tensors(scale.device),
+        stats, overflow, counters = watch.update_tensors(scale.device)
+        reference.record_watch_(flags, policy.skip_on_overflow, scale, stats, overflow, counters,
                                 spiked=None if guard is None else guard[_GUARD_SPIKE] != 0)
     found = (flags != 0).any().float().reshape(1)
     _ops.scaler_update_(

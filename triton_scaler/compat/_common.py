@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import torch
 
 from .. import ops
+from .._backend import Backend
 from ..policy import ScalePolicy
 
 
@@ -56,7 +57,7 @@ def fp32_value(value: float) -> float:
 
 
 def update_scale(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor,
-                 policy: ScalePolicy, backend: str,
+                 policy: ScalePolicy, backend: Backend,
                  hysteresis_tracker: torch.Tensor | None = None) -> None:
     """:func:`triton_scaler.ops.update_scale_` with ``policy``'s settings. No host sync."""
     ops.update_scale_(scale, growth_tracker, found_inf, policy.growth_factor,
