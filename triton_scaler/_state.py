@@ -131,8 +131,11 @@ class ScalerState(torch.amp.GradScaler):
 
     def _check_state(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         """torch's ``_check_scale_growth_tracker`` (which traced code cannot call: dynamo
-        skips torch.amp): the scale and growth tracker, or torch's error."""
-        if self._scale is None and not self._scaling:  # the guard-only mode: 1.0, made here
+        skips torch.amp): the scale and growth tracker, or torch's error. Made here instead,
+        on the scaler's device at ``init_scale`` (the loaded scale after a checkpoint), in the
+        guard-only mode and with a ``process_group``: a pipeline stage other than the last
+        never calls ``scale()``, and every rank of the group follows the same trajectory."""
+        if self._scale is None and (not self._scaling or self._process_group is not None):
             self._lazy_init_scale_growth_tracker(self._home())
         fix = ("This may indicate your script did not use scaler.scale(loss or outputs) "
                "earlier in the iteration.")

@@ -1,0 +1,88 @@
+"""fp16 under pipeline parallelism (``torch.distributed.pipelining``): a stage that never calls
+``scale()`` makes its scale on first use, so every stage of a GPipe, 1F1B or interleaved
+schedule steps, skips and scales as one process running the unsplit model with torch's scaler
+over the same microbatches (2 gloo ranks)."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from _pipeline_worker import CASES, GRAD_OVERFLOW, LOSS_OVERFLOW, STAGES, reference, run_pipelines
+from _spawn import spawned_results
+from _util import assert_all_same, fake_process_group
+
+from triton_scaler import GradScaler
+
+needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+_SPAWNED: dict = {}
+
+
+@needs_gloo
+@pytest.mark.parametrize("schedule, opt_name, route", CASES)
+def test_every_stage_follows_the_unsplit_model(backend, tmp_path_factory, schedule, opt_name,
+                                               route):
+    """Scales, skipped steps and every stage's parameters equal the single-process run bit for
+    bit (clip: the norm over every stage's parameters, the same on both ranks, within 4 ulps
+    of torch's clip over the unsplit model; parameters within 1e-7); an overflow in one
+    microbatch's loss and a NaN in stage 0's grads alone skip the step on both stages; both
+    ranks save the same checkpoint."""
+    ranks = spawned_results(_SPAWNED, f"pipelines_{backend}", run_pipelines, tmp_path_factory,
+                            backend)
+    results = [rank[(schedule, opt_name, route)] for rank in ranks]
+    assert all("error" not in r for r in results), results
+    expected, model = reference(opt_name, route)
+    first, second = results
+    assert first["state"] == second["state"]
+    for seen in (first["seen"], second["seen"]):
+        assert [s for s, _, _ in seen] == [s for s, _, _ in expected]
+        assert [k for _, _, k in seen] == [step in (LOSS_OVERFLOW, GRAD_OVERFLOW)
+                                           for step in range(len(seen))]
+    n_stages = 4 if schedule == "interleaved" else 2
+    params = {s: ps for r in results for s, ps in r["params"].items()}
+    assert sorted(params) == list(range(n_stages))
+    for s, (lo, hi) in enumerate(STAGES[n_stages]):
+        theirs = [p.detach() for layer in model[lo:hi] for p in layer.parameters()]
+        if route == "clip":
+            torch.testing.assert_close(params[s], theirs, rtol=0, atol=1e-7)
+        else:
+            assert_all_same(params[s], theirs)
+    if route == "clip":
+        assert [repr(n) for _, n, _ in first["seen"]] == [repr(n) for _, n, _ in second["seen"]]
+        for step, ((_, ours, _), (_, torchs, _)) in enumerate(zip(first["seen"], expected)):
+            if step in (LOSS_OVERFLOW, GRAD_OVERFLOW):
+                assert not math.isfinite(ours) and not math.isfinite(torchs)
+            else:
+                ulp = 2.0 ** (math.frexp(torchs)[1] - 24)  # float32's at torch's norm
+                assert abs(ours - torchs) <= 4 * ulp, (step, ours, torchs)
+
+
+def test_a_rank_that_never_scales_makes_its_scale_on_first_use(backend):
+    """With a process_group, unscale_ / clip / step / update on a scaler whose scale() was never
+    called make the scale at init_scale (the loaded scale after load_state_dict); without
+    one, torch's error for a forgotten scale() stays."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with pytest.raises(AssertionError, match="Attempted unscale_ but _scale is None"):
+        GradScaler("cpu", backend=backend).unscale_(opt)
+    with fake_process_group(2):
+        group = dist.group.WORLD
+        for call in ("unscale_", "clip", "step"):
+            scaler = GradScaler("cpu", init_scale=32.0, backend=backend, process_group=group)
+            if call == "step":
+                scaler.load_state_dict({**scaler.state_dict(), "scale": 8.0})
+            p.grad = torch.full((3,), 64.0)
+            if call == "unscale_":
+                scaler.unscale_(opt)
+                assert torch.equal(p.grad, torch.full((3,), 2.0))
+            elif call == "clip":
+                assert scaler.clip_grad_norm_(opt, 100.0, sharded=False).item() == \
+                    pytest.approx(2.0 * math.sqrt(3))
+            before = p.detach().clone()
+            scaler.step(opt)
+            scaler.update()
+            expected = {"unscale_": 32.0, "clip": 32.0, "step": 8.0}[call]
+            assert scaler.get_scale() == expected
+            assert torch.equal(p.detach(), before - 0.1 * 64.0 / expected)
+            p.data.fill_(1.0)
