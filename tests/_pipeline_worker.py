@@ -76,7 +76,7 @@ def train_stages(schedule, opt_name, route, backend, rank):
     else:
         kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         runner = kind(stages[0], N_MICROBATCHES, loss_fn=loss_fn)
-    seen = []
+    seen, logged = [], []
     for step in range(STEPS):
         x, y = batch(step)
         losses: list = []
@@ -91,11 +91,12 @@ def train_stages(schedule, opt_name, route, backend, rank):
             scaler.unscale_(opt)
         elif route == "clip":
             norm = scaler.clip_grad_norm_(opt, MAX_NORM, sharded=True)
+        logged.append([loss.item() for loss in scaler.unscaled(losses)])  # before update()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
         seen.append((scaler.get_scale(), norm.item(), bool(scaler.last_step_skipped)))
-    return {"seen": seen, "state": scaler.state_dict(),
+    return {"seen": seen, "state": scaler.state_dict(), "losses": logged,
             "params": {s: [p.detach().clone() for p in m.parameters()]
                        for s, m in zip(ids, modules)}}
 
@@ -106,11 +107,14 @@ def reference(opt_name, route):
     model = full_model()
     opt = optimizer(opt_name, model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
-    seen = []
+    seen, logged = [], []
     for step in range(STEPS):
         x, y = batch(step)
+        logged.append([])
         for xb, yb in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)):
-            scaler.scale(torch.nn.functional.mse_loss(model(xb), yb)).backward()
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            logged[-1].append(loss.item())
+            scaler.scale(loss).backward()
         for p in model.parameters():
             p.grad.div_(N_MICROBATCHES)
         if step == GRAD_OVERFLOW:
@@ -125,7 +129,7 @@ def reference(opt_name, route):
         scaler.update()
         opt.zero_grad()
         seen.append((scaler.get_scale(), norm.item(), False))
-    return seen, model
+    return seen, model, logged
 
 
 def run_pipelines(rank, world_size, store_file, backend, out_dir):

@@ -27,14 +27,19 @@ def test_every_stage_follows_the_unsplit_model(backend, tmp_path_factory, schedu
     bit (clip: the norm over every stage's parameters, the same on both ranks, within 4 ulps
     of torch's clip over the unsplit model; parameters within 1e-7); an overflow in one
     microbatch's loss and a NaN in stage 0's grads alone skip the step on both stages; both
-    ranks save the same checkpoint."""
+    ranks save the same checkpoint; the losses the schedule returns, unscaled for logging, are
+    the unsplit model's."""
     ranks = spawned_results(_SPAWNED, f"pipelines_{backend}", run_pipelines, tmp_path_factory,
                             backend)
     results = [rank[(schedule, opt_name, route)] for rank in ranks]
     assert all("error" not in r for r in results), results
-    expected, model = reference(opt_name, route)
+    expected, model, losses = reference(opt_name, route)
     first, second = results
     assert first["state"] == second["state"]
+    # the last stage's losses, unscaled for logging (scaler.unscaled), are the unsplit model's
+    if route != "clip":  # (clipped parameters agree to rounding, and the later losses too)
+        assert [list(map(repr, step)) for step in second["losses"]] == \
+            [list(map(repr, step)) for step in losses]
     for seen in (first["seen"], second["seen"]):
         assert [s for s, _, _ in seen] == [s for s, _, _ in expected]
         assert [k for _, _, k in seen] == [step in (LOSS_OVERFLOW, GRAD_OVERFLOW)
@@ -86,3 +91,16 @@ def test_a_rank_that_never_scales_makes_its_scale_on_first_use(backend):
             assert scaler.get_scale() == expected
             assert torch.equal(p.detach(), before - 0.1 * 64.0 / expected)
             p.data.fill_(1.0)
+
+
+def test_unscaled_gives_the_losses_a_schedule_returns_unscaled(backend):
+    """scaler.unscaled(losses): each scaled loss divided by the scale (exactly, a power of
+    two), in kind; the values themselves when disabled or in the guard-only mode."""
+    losses = [torch.tensor(0.3), torch.tensor(1.7), torch.tensor(math.inf)]
+    scaler = GradScaler("cpu", init_scale=2.0**8, backend=backend)
+    scaled = [scaler.scale(loss) for loss in losses]
+    assert_all_same(scaler.unscaled(scaled), losses)
+    assert_all_same(list(scaler.unscaled(tuple(scaled))), losses)
+    assert torch.equal(scaler.unscaled(scaled[1]), losses[1])
+    for other in (GradScaler("cpu", enabled=False), GradScaler("cpu", scaling=False)):
+        assert other.unscaled(losses) is losses

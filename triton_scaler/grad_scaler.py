@@ -795,6 +795,26 @@ class GradScaler(ScalerState):
         (every route: ``unscale_``, the fused clip, the fused route's check)."""
         self._watch._observe(optimizer, reference.inv_scale_of(self._scale))
 
+    def unscaled(self, values: Any) -> Any:
+        """``values`` divided by the scale: a loss that was scaled (the losses a pipeline
+        schedule returns through a scaled ``loss_fn``), for logging. Call it before
+        :meth:`update`, which may change the scale.
+
+        Args:
+            values: a tensor, or a list / tuple of tensors (returned in kind).
+
+        Returns:
+            The unscaled values (exact for power-of-two scales); ``values`` itself when
+            disabled, in the guard-only mode, or before the scale is made.
+
+        .. note:: Does not synchronise with the host.
+        """
+        if not self._enabled or not self._scaling or self._scale is None:
+            return values
+        if isinstance(values, torch.Tensor):
+            return values / self._scale.to(values.device)
+        return type(values)(self.unscaled(value) for value in values)
+
     def watch(self, model: Any, *, max_consecutive_skips: int | None = None,
               check_every: int | None = None) -> GradWatch:
         """Watch the gradients of ``model``'s parameters: per-parameter norm, amax and inf /
