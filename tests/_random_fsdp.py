@@ -222,13 +222,21 @@ def run_seed(seed: int, rank: int, backend: str, engine: str) -> str | None:
         kind, args = _draw(rng, kind, sides[0]["dims"], len(sides[0]["params"]), rank, engine,
                            bool(sides[0]["buckets"]))
         ours, theirs = (_outcome(side, kind, args, fused_clip) for side in sides)
-        comparable = comparable and (theirs[1], ours[1]) != DELIBERATE
+        comparable = comparable and (theirs[1], ours[1]) != DELIBERATE and \
+            not _made_on_first_use(theirs, ours)
         try:
             if comparable:
                 _compare(ours, theirs, sides)
         except AssertionError as error:
             first = first or f"seed {seed}, call {number} ({kind}): {error!r}"[:600]
     return first
+
+
+def _made_on_first_use(theirs: tuple, ours: tuple) -> bool:
+    """torch's scaler raised for a call before any ``scale()``, where ours, with a
+    ``process_group`` (the sharded scaler's default), made its scale on first use
+    (docs/distributed.md, pipeline stages): the sides differ from there on, on purpose."""
+    return theirs[0] == "raised" and "but _scale is None" in theirs[1][1] and ours != theirs
 
 
 def run_random_fsdp(rank, world_size, store_file, seeds_by_engine, out_dir):

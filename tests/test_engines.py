@@ -325,4 +325,5 @@ def test_fused_clip_asks_whether_plain_grads_are_shards(backend, tmp_path_factor
         errors = results["errors"]
         kind, message = errors[None]
         assert kind == "ValueError" and "sharded=True" in message and "sharded=False" in message
-        assert errors["yes"] == ("TypeError", "sharded must be True, False or None; got 'yes'")
+        assert errors["yes"] == ("TypeError", "sharded must be True, False, None or a "
+                                  "torch.distributed.ProcessGroup; got 'yes'")

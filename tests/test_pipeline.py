@@ -104,3 +104,37 @@ def test_unscaled_gives_the_losses_a_schedule_returns_unscaled(backend):
     assert torch.equal(scaler.unscaled(scaled[1]), losses[1])
     for other in (GradScaler("cpu", enabled=False), GradScaler("cpu", scaling=False)):
         assert other.unscaled(losses) is losses
+
+
+@needs_gloo
+@pytest.mark.exhaustive  # a 4-rank spawn per backend
+@pytest.mark.parametrize("engine", ["fsdp2", "ddp"])
+def test_pipeline_by_data_parallel_mesh(backend, tmp_path_factory, engine):
+    """2 stages x 2 data-parallel ranks (FSDP2 or DDP over dp, 1F1B over pp): a NaN in one
+    rank's own grads, or an inf in one microbatch's loss, skips the step on all four; the clip with sharded=<the pp group> gives
+    every rank the same norm, the whole model's (within 1e-6 of one process's; DTensor grads
+    already span their shards, so the sum is over the stages only)."""
+    from _pipeline_mesh_worker import GRAD_OVERFLOW, reference_norms, run_meshes
+
+    ranks = spawned_results(_SPAWNED, f"pipeline_meshes_{backend}", run_meshes,
+                            tmp_path_factory, backend, world_size=4)
+    results = [rank[engine] for rank in ranks]
+    assert all("error" not in r for r in results), results
+    seen = [r["seen"] for r in results]
+    for other in seen:  # the same scales, skips and norms on every rank
+        assert [(scale, skipped) for scale, _, skipped in other] == \
+            [(scale, skipped) for scale, _, skipped in seen[0]]
+        # but for DDP where rank 3 alone wrote a NaN after the reduction: the norm is of the
+        # grads each rank holds, so its replica's pipeline (ranks 0 and 2) sees none
+        assert [repr(norm) for step, (_, norm, _) in enumerate(other)
+                if engine == "fsdp2" or step != GRAD_OVERFLOW] == \
+            [repr(norm) for step, (_, norm, _) in enumerate(seen[0])
+             if engine == "fsdp2" or step != GRAD_OVERFLOW]
+    overflows = (LOSS_OVERFLOW, GRAD_OVERFLOW)  # an inf in one microbatch's target too
+    assert [skipped for _, _, skipped in seen[0]] == [step in overflows
+                                                     for step in range(len(seen[0]))]
+    for step, ((_, ours, _), theirs) in enumerate(zip(seen[-1], reference_norms())):
+        if step in overflows:
+            assert not math.isfinite(ours) and not math.isfinite(theirs)
+        else:
+            assert ours == pytest.approx(theirs, rel=1e-6), step

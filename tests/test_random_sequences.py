@@ -90,6 +90,13 @@ def _message(error: Exception) -> str:
 def _assert_same_outcome(ours, theirs, where) -> bool:
     """Asserts that both sides returned the same or raised the same; True for a DELIBERATE
     difference."""
+    if theirs[0] == "raised" and "but _scale is None" in str(theirs[1]) and \
+            (ours[0], _message(ours[1]) if ours[0] == "raised" else None) != \
+            ("raised", str(theirs[1])):
+        # ours with a process_group (the sharded scaler's default) made its scale on first
+        # use (docs/distributed.md, pipeline stages); test_pipeline.py pins torch's error
+        # without one
+        return True
     if theirs[0] == ours[0] == "raised":
         pair = DELIBERATE.get((type(theirs[1]).__name__, str(theirs[1])))
         if pair is not None:

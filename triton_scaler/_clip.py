@@ -90,13 +90,22 @@ def _reduce_on_mesh(norms: list[torch.Tensor], layouts: list, norm_type: float,
 
 
 def reference_total_norm(entries: list[tuple[torch.Tensor, Any]], norm_type: float,
-                         shard_group: Any, device: torch.device) -> torch.Tensor:
+                         shard_group: Any, device: torch.device,
+                         stages: Any = None) -> torch.Tensor:
     """Total norm of already unscaled grads, in torch's order and arithmetic (module doc).
 
     ``entries``: ``(grad, mesh layout)`` in the optimizer's order: the local tensor of a DTensor
     grad with its ``_distributed.MeshLayout``, ``None`` for a plain grad.
-    ``shard_group``: the plain grads are shards over it (None: they are whole). Every rank
-    must call this (the reductions are collective), also with no grads."""
+    ``shard_group``: the plain grads are shards over it (None: they are whole). ``stages``:
+    the whole norm is then summed over this group (pipeline stages: ``x ** p``, all-reduce
+    SUM, ``x ** (1 / p)``; MAX for the inf norm). Every rank must call this (the reductions
+    are collective), also with no grads."""
+    total = _local_total_norm(entries, norm_type, shard_group, device)
+    return total if stages is None else _all_reduce(total, (stages,), norm_type, powered=False)
+
+
+def _local_total_norm(entries: list[tuple[torch.Tensor, Any]], norm_type: float,
+                      shard_group: Any, device: torch.device) -> torch.Tensor:
     inf = norm_type == math.inf
     # the norms of plain grads sharded over shard_group, in the parameters' order, as FSDP1's
     # _get_grad_norm stacks them (float32 norms; the inf norm of no elements is an error)
@@ -142,11 +151,13 @@ def reference_total_norm(entries: list[tuple[torch.Tensor, Any]], norm_type: flo
 
 
 def combine_partials(partials: list[tuple[torch.Tensor, tuple[Any, ...] | None]],
-                     norm_type: float, shard_group: Any, device: torch.device) -> torch.Tensor:
+                     norm_type: float, shard_group: Any, device: torch.device,
+                     stages: Any = None) -> torch.Tensor:
     """Total norm from each launch group's sum of squares (max ``|x|`` for the inf norm) and
     the groups its DTensor grads are sharded over (``()``: replicated, whole on every rank;
     None: plain grads, whole, or shards over ``shard_group`` when one is given), reduced
-    group by group over the ranks (every rank calls this)."""
+    group by group over the ranks, then summed over ``stages`` when given (every rank calls
+    this)."""
     wide = torch.float64 if any(p.dtype == torch.float64 for p, _ in partials) \
         else torch.float32
     by_groups: dict[tuple, list[torch.Tensor]] = {}
@@ -163,9 +174,12 @@ def combine_partials(partials: list[tuple[torch.Tensor, tuple[Any, ...] | None]]
         total = stacked.amax() if inf else stacked.sum()
         totals.append(_all_reduce(total, groups, norm_type, powered=True) if groups else total)
     if not totals:
-        return torch.zeros((), dtype=wide, device=device)
+        totals.append(torch.zeros((), dtype=wide, device=device))
     stacked = torch.stack(totals)
-    return stacked.amax() if inf else stacked.sum().sqrt()
+    total = stacked.amax() if inf else stacked.sum()
+    if stages is not None:  # the stages' sums of squares (maxima), over the stages
+        total = _all_reduce(total, (stages,), norm_type, powered=True)
+    return total if inf else total.sqrt()
 
 
 def _real_or_str(name: str, value: object) -> numbers.Real | str:
@@ -245,12 +259,13 @@ def clip_coefficient(total: torch.Tensor, max_norm: float, guard: Any,
 
 def clip_unscaled(params, max_norm: float, norm_type: float, shard_group: Any,
                   device: torch.device, error_if_nonfinite: bool, guard: Any = None,
-                  backend: str = "auto") -> torch.Tensor:
+                  backend: str = "auto", stages: Any = None) -> torch.Tensor:
     """Clip grads that are not scaled (a disabled scaler, or after ``unscale_``) by the total
     norm of :func:`reference_total_norm`: any ``p``, plain grads sharded over ``shard_group``;
-    ``guard``: a :class:`SpikeGuard` that decides this step's max norm."""
+    ``guard``: a :class:`SpikeGuard` that decides this step's max norm; ``stages``: the norm
+    is summed over this group (pipeline stages)."""
     entries = _norm_entries(params)
-    total = reference_total_norm(entries, norm_type, shard_group, device)
+    total = reference_total_norm(entries, norm_type, shard_group, device, stages)
     if error_if_nonfinite and not bool(total.isfinite().item()):  # the documented read
         raise_nonfinite(norm_type)
     coef = clip_coefficient(total, max_norm, guard, backend)  # float64 with float64 grads
@@ -269,8 +284,8 @@ def raise_nonfinite(norm_type: float) -> None:
 
 def fused_clip(optimizer: torch.optim.Optimizer, groups: list[GradGroup], mesh_groups: dict,
                found_for: PerDevice, scale: torch.Tensor, backend: str, max_norm: float,
-               norm_type: float, shard_group: Any, error_if_nonfinite: bool, guard: Any = None
-               ) -> tuple[torch.Tensor, bool]:
+               norm_type: float, shard_group: Any, error_if_nonfinite: bool, guard: Any = None,
+               stages: Any = None) -> tuple[torch.Tensor, bool]:
     """Unscale and clip ``groups`` (the optimizer's grads, collected) by their total norm:
     on the Triton backend a read pass (found_inf, a norm partial per group) and a write pass
     (``dtype(dtype(g * inv_scale) * clip_coef)``); where no group runs on Triton, torch's
@@ -290,12 +305,13 @@ def fused_clip(optimizer: torch.optim.Optimizer, groups: list[GradGroup], mesh_g
         # read again: collecting gave a bucketed parameter that received no gradient since
         # GradBuckets.zero_ grad None (its view is not a grad now)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        total = reference_total_norm(_norm_entries(params), norm_type, shard_group, device)
+        total = reference_total_norm(_norm_entries(params), norm_type, shard_group, device,
+                                     stages)
     else:
         partials = [(_group_partial(g, found_for.get(g.device), scale_for.get(g.device),
                                     norm_type, triton), g.mesh_groups)
                     for g, triton in zip(groups, on_triton)]
-        total = combine_partials(partials, norm_type, shard_group, device)
+        total = combine_partials(partials, norm_type, shard_group, device, stages)
     nonfinite = error_if_nonfinite and not bool(total.isfinite().item())
     # the coefficient is formed from the norm before its float32 rounding: float64 with any
     # float64 grad, as torch's

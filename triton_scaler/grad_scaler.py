@@ -16,7 +16,7 @@ import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -36,6 +36,9 @@ from ._warn import warn_at_caller
 from .policy import ScalePolicy, check_scale_value
 from .spike_guard import SpikeGuard
 from .telemetry import GradWatch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def _can_trace(scaler: GradScaler, name: str, args: tuple, kwargs: dict) -> bool:
@@ -868,7 +871,7 @@ class GradScaler(ScalerState):
     @traced_when(_can_trace)
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,
                         norm_type: float | str = 2.0, error_if_nonfinite: bool = False, *,
-                        sharded: bool | None = None) -> torch.Tensor:
+                        sharded: bool | ProcessGroup | None = None) -> torch.Tensor:
         """Unscale the optimizer's grads and clip them by their total norm, in one read pass
         and one read + write pass (torch's ``unscale_`` + ``clip_grad_norm_`` make five).
 
@@ -890,14 +893,19 @@ class GradScaler(ScalerState):
         are shards of one gradient over the scaler's ``process_group`` (FSDP1 with a sharded
         strategy, ZeRO-style sharding) and the norm is summed over it, as
         ``FullyShardedDataParallel.clip_grad_norm_``. With a ``process_group`` and plain
-        grads, ``sharded`` must be given.
+        grads, ``sharded`` must be given. ``sharded=<group>``: this rank's norm (its own
+        reductions done: DTensor grads over their mesh) is summed over the ranks of that
+        group, which hold different parameters: the pipeline-parallel group (``mesh["pp"]``),
+        so that every stage gets the whole model's norm (not the whole world: a
+        data-parallel replica's norm would be counted once per replica).
 
         Args:
             optimizer: the optimizer whose grads to unscale and clip.
             max_norm: the largest total norm, finite and >= 0.
             norm_type: p of the p-norm, > 0, or ``inf`` / ``"inf"``.
             error_if_nonfinite: raise when the total norm is non-finite, as torch's clip.
-            sharded: whether plain grads are shards over the scaler's ``process_group``.
+            sharded: whether plain grads are shards over the scaler's ``process_group``; or
+                a process group over which each rank's norm is summed (pipeline stages).
 
         Returns:
             The total norm of the unscaled grads, a 0-d float32 tensor on the scale's device.
@@ -919,7 +927,7 @@ class GradScaler(ScalerState):
         if not self._enabled:  # GradBuckets: grad None where no gradient came (as unscale_)
             attach_bucket_grads(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        shard_group = self._shard_group(params, sharded)
+        shard_group, stages = self._shard_group(params, sharded)
         if any(p.grad.is_sparse for p in params):
             raise NotImplementedError(
                 "clip_grad_norm_ takes dense gradients only; a parameter has a sparse one "
@@ -930,24 +938,25 @@ class GradScaler(ScalerState):
                                "statistics are the whole model's norm); this iteration's clip "
                                "already ran it: clip every optimizer's grads in one call, or "
                                "call update() first")
-        if not self._enabled and shard_group is None:
+        whole = shard_group is None and stages is None  # this rank's grads are the model's
+        if not self._enabled and whole:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                                   error_if_nonfinite).float()
         if not self._enabled:
             device = params[0].grad.device if params else torch.device("cpu")
             return clip_unscaled(params, max_norm, norm_type, shard_group, device,
-                                 error_if_nonfinite)
-        if norm_type not in (2.0, math.inf) or (not params and shard_group is None) or \
+                                 error_if_nonfinite, stages=stages)
+        if norm_type not in (2.0, math.inf) or (not params and whole) or \
                 self._overrides_unscale_grads():  # a subclass's own unscale: through it
             self.unscale_(optimizer)  # no grads: as torch, unscale_ records none, norm 0
             self._per_optimizer_states[id(optimizer)]["unscaled_by_clip"] = True
             device = self._scale.device
-            if shard_group is None and guard is None:
+            if whole and guard is None:
                 total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                                        error_if_nonfinite)
                 return total.float().to(device)
             total = clip_unscaled(params, max_norm, norm_type, shard_group, device,
-                                  error_if_nonfinite, guard, self._backend)
+                                  error_if_nonfinite, guard, self._backend, stages)
             self._after_guard(optimizer, guard)
             return total
         state = self._ready_to_unscale(optimizer, "unscale_")  # torch's unscale_ errors
@@ -959,7 +968,7 @@ class GradScaler(ScalerState):
                 self._watch_grads(optimizer)
             total, nonfinite = fused_clip(optimizer, groups, mesh_groups, found_for,
                                           self._scale, self._backend, max_norm, norm_type,
-                                          shard_group, error_if_nonfinite, guard)
+                                          shard_group, error_if_nonfinite, guard, stages)
             # a bucket's padding times a NaN coefficient (a non-finite norm: an overflow) or
             # an infinite inv_scale is NaN: zeroed again in update() after an overflow
             self._note_written_padding(optimizer, groups)
@@ -987,11 +996,18 @@ class GradScaler(ScalerState):
             agreed = self._agree_found_inf(state)
             state["skip_flag"] = torch.maximum(agreed, spike.to(agreed.device, torch.float32))
 
-    def _shard_group(self, params: list, sharded: bool | None) -> Any:
-        """The group over which plain grads are shards (None: they are whole); raises when
-        ``sharded`` is not a bool or None, or is needed and missing."""
+    def _shard_group(self, params: list, sharded: Any) -> tuple[Any, Any]:
+        """``(shard group, stage group)``: the group over which plain grads are shards (None:
+        they are whole), and the group over which this rank's whole norm is summed (a
+        process group passed as ``sharded``: pipeline stages); raises when ``sharded`` is
+        none of True, False, None or a process group, or is needed and missing."""
         if sharded is not None and not isinstance(sharded, bool):
-            raise TypeError(f"sharded must be True, False or None; got {sharded!r}")
+            import torch.distributed as dist
+
+            if not (dist.is_available() and isinstance(sharded, dist.ProcessGroup)):
+                raise TypeError(f"sharded must be True, False, None or a "
+                                f"torch.distributed.ProcessGroup; got {sharded!r}")
+            return None, sharded
         group = self._process_group
         if sharded and group is None:
             raise ValueError("sharded=True sums the norm over the scaler's process_group, and "
@@ -1001,8 +1017,9 @@ class GradScaler(ScalerState):
             raise ValueError(
                 "clip_grad_norm_ with a process_group and plain (not DTensor) grads: pass "
                 "sharded=True when each rank's grads are shards of one gradient (FSDP1 with a "
-                "sharded strategy, ZeRO-style sharding: the norm is summed over process_group) "
-                "or sharded=False when every rank holds the whole gradient (DDP: the norm is "
-                "this rank's, as torch.nn.utils.clip_grad_norm_)")
-        return group if sharded else None
+                "sharded strategy, ZeRO-style sharding: the norm is summed over process_group), "
+                "sharded=False when every rank holds the whole gradient (DDP: the norm is "
+                "this rank's, as torch.nn.utils.clip_grad_norm_), or sharded=<group> to sum "
+                "each rank's norm over the ranks of that group (pipeline stages)")
+        return (group if sharded else None), None
 
