@@ -53,7 +53,8 @@ def _torchs_clip(theirs, max_norm, norm_type, error_if_nonfinite=False):
      "max_norm must be a number and norm_type a number or 'inf'; got max_norm=1.0, "
      "norm_type='max'"),
     (dict(max_norm=1.0, error_if_nonfinite="yes"), TypeError, "error_if_nonfinite must be"),
-    (dict(max_norm=1.0, sharded=1), TypeError, "sharded must be True, False, None or a torch.distributed.ProcessGroup; got 1"),
+    (dict(max_norm=1.0, sharded=1), TypeError,
+     "sharded must be True, False, None or a torch.distributed.ProcessGroup; got 1"),
     (dict(max_norm=1.0, sharded=True), ValueError, "sharded=True sums the norm over the "
      "scaler's process_group, and this GradScaler has none"),
 ])

@@ -111,9 +111,10 @@ def test_unscaled_gives_the_losses_a_schedule_returns_unscaled(backend):
 @pytest.mark.parametrize("engine", ["fsdp2", "ddp"])
 def test_pipeline_by_data_parallel_mesh(backend, tmp_path_factory, engine):
     """2 stages x 2 data-parallel ranks (FSDP2 or DDP over dp, 1F1B over pp): a NaN in one
-    rank's own grads, or an inf in one microbatch's loss, skips the step on all four; the clip with sharded=<the pp group> gives
-    every rank the same norm, the whole model's (within 1e-6 of one process's; DTensor grads
-    already span their shards, so the sum is over the stages only)."""
+    rank's own grads, or an inf in one microbatch's loss, skips the step on all four; the
+    clip with sharded=<the pp group> gives every rank the same norm, the whole model's
+    (within 1e-6 of one process's; DTensor grads already span their shards, so the sum is
+    over the stages only)."""
     from _pipeline_mesh_worker import GRAD_OVERFLOW, reference_norms, run_meshes
 
     ranks = spawned_results(_SPAWNED, f"pipeline_meshes_{backend}", run_meshes,
@@ -138,3 +139,52 @@ def test_pipeline_by_data_parallel_mesh(backend, tmp_path_factory, engine):
             assert not math.isfinite(ours) and not math.isfinite(theirs)
         else:
             assert ours == pytest.approx(theirs, rel=1e-6), step
+
+
+def _recipe(name):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "distributed.md").read_text()
+    marker = f"<!-- recipe: {name} -->\n```python\n"
+    start = text.index(marker) + len(marker)
+    return text[start:text.index("```", start)]
+
+
+@needs_gloo
+def test_the_actor_recipe_skips_on_every_rank_and_logs_the_norm(tmp_path_factory):
+    """docs/distributed.md's verl-style actor update on 2 gloo ranks: an overflow in one rank's
+    micro-batch skips the step on both, the scale backs off once, and the logged grad norm is
+    the same on both ranks every step (non-finite at the overflow, never missing)."""
+    from _recipe_worker import run_recipe
+
+    logs = spawned_results(_SPAWNED, "recipe_actor", run_recipe, tmp_path_factory,
+                           _recipe("actor"))
+    for log in logs:
+        assert [m["actor/skipped"] for m in log] == [False, False, True, False]
+        assert [m["actor/loss_scale"] for m in log] == [2.0**16, 2.0**16, 2.0**15, 2.0**15]
+        norms = [m["actor/grad_norm"] for m in log]
+        assert [math.isfinite(n) for n in norms] == [True, True, False, True]
+    assert [repr(m["actor/grad_norm"]) for m in logs[0]] == \
+        [repr(m["actor/grad_norm"]) for m in logs[1]]
+
+
+@needs_gloo
+@pytest.mark.exhaustive  # a 4-rank spawn
+def test_the_pipeline_recipe_trains_on_a_2x2_mesh(tmp_path_factory):
+    """docs/distributed.md's torchtitan-style loop on 4 gloo ranks (2 stages x 2 FSDP2
+    shards): the overflow in one microbatch skips the step on all four, every rank logs the
+    same norm, the LR schedule counts only the applied steps, the last stage logs the
+    unscaled loss."""
+    from _recipe_worker import run_recipe
+
+    logs = spawned_results(_SPAWNED, "recipe_pipeline", run_recipe, tmp_path_factory,
+                           _recipe("pipeline"), world_size=4)
+    for rank, log in enumerate(logs):
+        assert [m["skipped"] for m in log] == [step == 3 for step in range(6)]
+        assert log[-1]["lr"] == pytest.approx(1e-3 * 0.9**5)
+        assert [repr(m["grad_norm"]) for m in log] == [repr(m["grad_norm"]) for m in logs[0]]
+        assert [math.isfinite(m["grad_norm"]) for m in log] == [step != 3 for step in range(6)]
+        last_stage = rank >= 2
+        assert all((m["loss"] is not None) == last_stage for m in log)
+        if last_stage:
+            assert 0.1 < log[0]["loss"] < 10.0

@@ -436,7 +436,7 @@ def test_one_launch_more_than_the_plain_clip(interpreter, monkeypatch, buckets):
         opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
         held = GradBuckets(opt) if buckets else None
         scaler = GradScaler("cpu", backend="triton", spike_guard=guard)
-        for step in range(3):
+        for _ in range(3):
             scaler.scale(sum(p.square().sum() for p in params)).backward()
             with _launches(monkeypatch) as launched, _Ops() as ops:
                 scaler.clip_grad_norm_(opt, 1.0)
