@@ -17,7 +17,9 @@ LOSS_OVERFLOW, GRAD_OVERFLOW = 2, 4  # an inf in one microbatch's target / a NaN
 STAGES = {2: [(0, 2), (2, 7)], 4: [(0, 2), (2, 4), (4, 6), (6, 7)]}
 CASES = [(schedule, optimizer, "unscale") for schedule in ("gpipe", "1f1b", "interleaved")
          for optimizer in ("sgd", "foreach", "fused")] + \
-    [("1f1b", optimizer, route) for optimizer in ("sgd", "fused") for route in ("step", "clip")]
+    [("1f1b", optimizer, route) for optimizer in ("sgd", "fused") for route in ("step", "clip")] + \
+    [("1f1b", "fused", "resume")]  # a new scaler from the checkpoint at RESUME_AT: no scale()
+RESUME_AT = 3  # on the first stage before its step
 MAX_NORM = 0.5
 
 
@@ -87,6 +89,10 @@ def train_stages(schedule, opt_name, route, backend, rank):
         if step == GRAD_OVERFLOW and rank == 0:
             modules[0][0].weight.grad[0, 0] = math.nan  # stage 0 only
         norm = torch.zeros(())
+        if route == "resume" and step == RESUME_AT:  # a restart: the checkpoint, a new scaler
+            saved = scaler.state_dict()
+            scaler = GradScaler("cpu", backend=backend, process_group=dist.group.WORLD)
+            scaler.load_state_dict(saved)  # (loss_fn reads the new one)
         if route == "unscale":
             scaler.unscale_(opt)
         elif route == "clip":
@@ -120,7 +126,7 @@ def reference(opt_name, route):
         if step == GRAD_OVERFLOW:
             model[0].weight.grad[0, 0] = math.nan
         norm = torch.zeros(())
-        if route == "unscale":
+        if route in ("unscale", "resume"):
             scaler.unscale_(opt)
         elif route == "clip":
             scaler.unscale_(opt)

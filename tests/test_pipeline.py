@@ -95,7 +95,8 @@ def test_a_rank_that_never_scales_makes_its_scale_on_first_use(backend):
 
 def test_unscaled_gives_the_losses_a_schedule_returns_unscaled(backend):
     """scaler.unscaled(losses): each scaled loss divided by the scale (exactly, a power of
-    two), in kind; the values themselves when disabled or in the guard-only mode."""
+    two), in kind, also before a restarted scaler has made its scale; the values themselves
+    when disabled or in the guard-only mode."""
     losses = [torch.tensor(0.3), torch.tensor(1.7), torch.tensor(math.inf)]
     scaler = GradScaler("cpu", init_scale=2.0**8, backend=backend)
     scaled = [scaler.scale(loss) for loss in losses]
@@ -104,6 +105,10 @@ def test_unscaled_gives_the_losses_a_schedule_returns_unscaled(backend):
     assert torch.equal(scaler.unscaled(scaled[1]), losses[1])
     for other in (GradScaler("cpu", enabled=False), GradScaler("cpu", scaling=False)):
         assert other.unscaled(losses) is losses
+    # a scaler restarted from a checkpoint, before its scale is made: the scale it will have
+    resumed = GradScaler("cpu", backend=backend)
+    resumed.load_state_dict(scaler.state_dict())
+    assert_all_same(resumed.unscaled(scaled), losses)
 
 
 @needs_gloo

@@ -807,15 +807,17 @@ class GradScaler(ScalerState):
             values: a tensor, or a list / tuple of tensors (returned in kind).
 
         Returns:
-            The unscaled values (exact for power-of-two scales); ``values`` itself when
-            disabled, in the guard-only mode, or before the scale is made.
+            The unscaled values (exact for power-of-two scales; before the scale is made, by
+            the scale it will be made at); ``values`` itself when disabled or in the
+            guard-only mode.
 
         .. note:: Does not synchronise with the host.
         """
-        if not self._enabled or not self._scaling or self._scale is None:
+        if not self._enabled or not self._scaling:
             return values
         if isinstance(values, torch.Tensor):
-            return values / self._scale.to(values.device)
+            scale = self._scale
+            return values / (self._init_scale if scale is None else scale.to(values.device))
         return type(values)(self.unscaled(value) for value in values)
 
     def watch(self, model: Any, *, max_consecutive_skips: int | None = None,
