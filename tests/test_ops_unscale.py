@@ -168,6 +168,21 @@ def test_check_only_leaves_grads_untouched(backend, dtype):
     assert grads[1][-1].item() == -math.inf
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sizes", [[3, 5], [5000, 300_000]], ids=["flat", "large"])
+def test_finite_grads_whose_sum_overflows_are_finite(backend, dtype, sizes):
+    """The read-only check of finite grads whose sum overflows their dtype (the CPU path
+    first sums them) finds nothing; an inf, a -inf or a NaN among them is found."""
+    big = torch.finfo(dtype).max / 2
+    for special in (None, math.inf, -math.inf, math.nan):
+        grads = [torch.full((n,), big, dtype=dtype) for n in sizes]
+        if special is not None:
+            grads[-1][-1] = special
+        found = torch.zeros(())
+        ops.non_finite_check_(grads, found, torch.tensor(0.5), backend=backend)
+        assert found.item() == (0.0 if special is None else 1.0), special
+
+
 @pytest.mark.parametrize("dtype, value, inv", [(torch.float16, 60000.0, 2.0),
                                                (torch.bfloat16, 2.0**127, 1.999)])
 def test_the_check_flags_the_float32_product_not_its_rounding_to_the_grads_dtype(

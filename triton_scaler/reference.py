@@ -118,27 +118,49 @@ _FLAT_ELEMENTS = 1 << 20
 _SMALL_ELEMENTS = 1 << 14
 
 
+def _cpu_parts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Same-dtype non-empty CPU ``tensors`` as few tensors to reduce: the small ones
+    flattened together, each larger one as it is (a reduction per small tensor costs more
+    than the copy)."""
+    if len(tensors) == 1:
+        return tensors
+    numels = list(map(_NUMEL, tensors))
+    if sum(numels) <= _FLAT_ELEMENTS:
+        return [_flatten_dense_tensors(tensors)]
+    small = [t for t, n in zip(tensors, numels) if n <= _SMALL_ELEMENTS]
+    parts = [t for t, n in zip(tensors, numels) if n > _SMALL_ELEMENTS]
+    return parts + ([_flatten_dense_tensors(small)] if len(small) > 1 else small)
+
+
+def _cpu_sums_finite(grads: list[torch.Tensor]) -> bool:
+    """Whether every element of the CPU ``grads`` is finite, known from their sums (an inf or
+    a NaN makes a sum inf or NaN): True when each sum is finite; False when one is not (an
+    inf or NaN, or finite values whose sum overflowed: the caller then looks closer). A sum
+    reads faster than ``aminmax`` on the CPU. No device sync (CPU values)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        if g.numel():
+            by_dtype.setdefault(g.dtype, []).append(g)
+    for tensors in by_dtype.values():
+        for part in _cpu_parts(tensors):
+            if not math.isfinite(_read_cpu_scalar(part.sum())):
+                return False
+    return True
+
+
 def _max_abs(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The largest ``|x|`` over same-dtype ``tensors`` (NaN when one holds a NaN), None when
-    they hold no element. On CPU ``max(max, -min)`` of ``aminmax``: one over the small
-    tensors flattened together, one per larger tensor (torch's CPU inf-norm reduction is
-    several times slower). On other devices one foreach inf-norm: one fused launch."""
+    they hold no element. On CPU ``max(max, -min)`` of ``aminmax`` over :func:`_cpu_parts`
+    (torch's CPU inf-norm reduction is several times slower). On other devices one foreach
+    inf-norm: one fused launch."""
     numels = list(map(_NUMEL, tensors))
-    total = sum(numels)
-    if not total:
+    if not sum(numels):
         return None
     if 0 in numels:
         tensors = [t for t, n in zip(tensors, numels) if n]
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors, math.inf)).max()
-    if len(tensors) == 1:
-        parts = tensors
-    elif total <= _FLAT_ELEMENTS:
-        parts = [_flatten_dense_tensors(tensors)]
-    else:
-        small = [t for t, n in zip(tensors, numels) if n <= _SMALL_ELEMENTS]
-        parts = [t for t, n in zip(tensors, numels) if n > _SMALL_ELEMENTS]
-        parts += [_flatten_dense_tensors(small)] if len(small) > 1 else small
+    parts = _cpu_parts(tensors)
     if len(parts) == 1:
         low, high = torch.aminmax(parts[0])
         return torch.maximum(high, low.neg())
@@ -150,7 +172,12 @@ def check_(grads: list[torch.Tensor], found_inf: torch.Tensor,
            inv_scale: torch.Tensor | None = None) -> None:
     """Set ``found_inf = 1.0`` if an element of ``grads`` is non-finite or, with ``inv_scale``,
     if its product with ``inv_scale`` is (in float32; float64 grads in float64), exactly as
-    the Triton check. Read-only: the grads are neither written nor required to be writable."""
+    the Triton check. Read-only: the grads are neither written nor required to be writable.
+    On the CPU their sums first: when each is finite (and no product can overflow) nothing
+    more is read."""
+    if grads and found_inf.is_cpu and (inv_scale is None or not _may_overflow(inv_scale)) \
+            and grads[0].is_cpu and _cpu_sums_finite(grads):
+        return
     non_finite = []
     for dtype, peak in _max_abs_per_dtype(grads).items():
         non_finite.append(~peak.isfinite())
