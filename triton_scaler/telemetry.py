@@ -19,7 +19,7 @@ from ._dispatch import watch_stats
 from ._distributed import is_dtensor, mesh_layout
 from ._grads import param_lists, same_param_lists
 from ._plans import upload
-from ._watch_pass import named_parameters_of, reduced_over_shards
+from ._watch_params import named_parameters_of, reduced_over_shards
 from ._watch_report import Overflow, SkippedStepsError, Spike, WatchReport
 
 __all__ = ["GradWatch", "WatchReport", "Overflow", "SkippedStepsError", "Spike"]
