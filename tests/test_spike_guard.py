@@ -11,7 +11,68 @@ from triton_scaler import GradBuckets, GradScaler, SpikeGuard
 from triton_scaler.diagnostics import count_host_syncs, optimizer_step_uncounted
 from triton_scaler.spike_guard import STATS_LAYOUT
 
-zclip = pytest.importorskip("zclip")
+
+class TranscribedZClip:
+    """zclip 1.0.0's ``ZClip`` (``zclip/zclip.py``) for a plain module, transcribed: the same
+    Python-float arithmetic, for the runs where the zclip package is not installed."""
+
+    def __init__(self, alpha=0.97, z_thresh=2.5, max_grad_norm=1.0, eps=1e-6, warmup_steps=25,
+                 mode="zscore", clip_option="adaptive_scaling", clip_factor=1.0,
+                 skip_update_on_spike=False):
+        self.alpha, self.z_thresh, self.max_grad_norm, self.eps = alpha, z_thresh, \
+            max_grad_norm, eps
+        self.warmup_steps, self.mode, self.clip_factor = warmup_steps, mode, clip_factor
+        self.clip_option = clip_option if mode == "zscore" else None
+        self.skip_update_on_spike = skip_update_on_spike
+        self.buffer, self.initialized, self.mean, self.var = [], False, None, None
+
+    def _compute_grad_norm(self, model):
+        norms = [p.grad.norm(2) for p in model.parameters() if p.grad is not None]
+        return torch.sqrt(torch.sum(torch.pow(torch.stack(norms), 2))).item()
+
+    def _compute_clip_val(self, grad_norm):
+        std = self.var ** 0.5
+        if self.mode == "percentile":
+            threshold = self.mean + self.z_thresh * std
+            return threshold if grad_norm > threshold else None
+        z = (grad_norm - self.mean) / (std + self.eps)
+        if z > self.z_thresh:
+            if self.clip_option == "adaptive_scaling":
+                return (self.mean + (self.z_thresh * std) / (z / self.z_thresh)) * self.clip_factor
+            return self.mean
+        return None
+
+    def step(self, model):
+        total_norm = self._compute_grad_norm(model)
+        if not self.initialized:
+            self.buffer.append(total_norm)
+            if len(self.buffer) >= self.warmup_steps:
+                self.mean = sum(self.buffer) / len(self.buffer)
+                self.var = sum((x - self.mean) ** 2 for x in self.buffer) / len(self.buffer)
+                self.initialized, self.buffer = True, []
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
+            return total_norm
+        clip_val = self._compute_clip_val(total_norm)
+        adaptive = clip_val if clip_val is not None else total_norm
+        effective = adaptive if self.max_grad_norm is None else min(adaptive, self.max_grad_norm)
+        coef = effective / (total_norm + 1e-6) if total_norm > effective else 1.0
+        if coef < 1.0:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.data.mul_(coef)
+        if clip_val is not None and self.skip_update_on_spike:
+            return total_norm
+        value = clip_val if clip_val is not None else total_norm
+        self.mean = self.alpha * self.mean + (1 - self.alpha) * value
+        self.var = self.alpha * self.var + (1 - self.alpha) * (value - self.mean) ** 2
+        return total_norm
+
+
+def _zclip_class(oracle):
+    if oracle == "zclip":
+        return pytest.importorskip("zclip").ZClip
+    return TranscribedZClip
 
 SPIKES = {31: 40.0, 37: 8.0, 44: 60.0}  # step -> loss factor (after the warm-up)
 OVERFLOWS = (5, 33)  # an inf in the loss: one in the warm-up, one after
@@ -33,14 +94,14 @@ def _loss(model, step):
     return loss * math.inf if step in OVERFLOWS else loss
 
 
-def _zclip_run(steps, max_norm, skip, **settings):
+def _zclip_run(oracle, steps, max_norm, skip, **settings):
     """The oracle: torch's scaler, then zclip on the unscaled grads (not on overflow steps,
     which torch's scaler skips); a skip guard's spike skips the optimizer step."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=7)
-    zc = zclip.ZClip(max_grad_norm=None if max_norm == math.inf else max_norm,
-                     skip_update_on_spike=skip, **settings)
+    zc = _zclip_class(oracle)(max_grad_norm=None if max_norm == math.inf else max_norm,
+                              skip_update_on_spike=skip, **settings)
     norms, spikes, scales = [], [], []
     for step in range(steps):
         opt.zero_grad()
@@ -89,12 +150,15 @@ def _guard_run(steps, max_norm, backend, skip, **settings):
     pytest.param(dict(warmup_steps=25, clip_option="mean", alpha=0.9, z_thresh=2.0),
                  marks=pytest.mark.exhaustive),
 ], ids=["zscore", "percentile", "mean"])
-def test_matches_zclip_after_torch_unscale(backend, settings, skip):
+@pytest.mark.parametrize("oracle", ["zclip", "transcribed"])
+def test_matches_zclip_after_torch_unscale(backend, settings, skip, oracle):
     """Norms, spikes, skipped steps, scales and parameters match zclip applied to the
     unscaled grads of torch's scaler loop (overflow steps left out of zclip's statistics):
-    the statistics to float rounding (zclip keeps Python floats), the decisions exactly."""
+    the statistics to float rounding (zclip keeps Python floats), the decisions exactly. The
+    oracle is the zclip package (skipped where it is not installed) or its transcription."""
     steps = 50
-    ref_model, ref_norms, ref_spikes, ref_scales, zc = _zclip_run(steps, 1.0, skip, **settings)
+    ref_model, ref_norms, ref_spikes, ref_scales, zc = _zclip_run(oracle, steps, 1.0, skip,
+                                                                  **settings)
     model, norms, skipped, scales, guard, _ = _guard_run(steps, 1.0, backend, skip, **settings)
     for step, (ours, theirs) in enumerate(zip(norms, ref_norms)):
         if step in OVERFLOWS:
@@ -346,7 +410,7 @@ def test_misuse_is_refused(backend):
     """A guard that is not a SpikeGuard, a skipping guard with skip_on_overflow=False, a
     second guarded clip in one iteration and a bad checkpoint entry raise, named."""
     with pytest.raises(TypeError, match="spike_guard"):
-        GradScaler("cpu", spike_guard=zclip.ZClip())
+        GradScaler("cpu", spike_guard=TranscribedZClip())
     with pytest.raises(ValueError, match="skip_on_overflow"):
         GradScaler("cpu", skip_on_overflow=False, spike_guard=SpikeGuard(action="skip"))
     model = _model()
