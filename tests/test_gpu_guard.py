@@ -28,7 +28,7 @@ def _loop(cuda, backend, *, action="skip", scaling=True, steps=12, spike_at=9, w
     for step in range(steps):
         x = torch.randn(32, 64, device=cuda, generator=gen)
         with torch.autocast("cuda", dtype=dtype):
-            loss = model(x).float().square().mean() * (300.0 if step == spike_at else 1.0)
+            loss = model(x).float().square().mean() * (30.0 if step == spike_at else 1.0)
         scaler.scale(loss).backward()
         context = sync_errors(cuda) if watched is not None and step >= watched else None
         if context is not None:
@@ -63,7 +63,8 @@ def test_a_guarded_fused_step_never_synchronises(cuda, scaling):
     (CUDA's sync debug mode raises on any), the spike step included; guard-only mode too."""
     norms, scaler, guard, _ = _loop(cuda, "triton", scaling=scaling, watched=3)
     assert guard.statistics()["spikes"] >= 1 and scaler.skipped_steps >= 1
-    assert scaler.get_scale() == (1.0 if not scaling else scaler.get_scale())
+    if not scaling:
+        assert scaler.get_scale() == 1.0
     assert all(math.isfinite(n.item()) for n in norms)
 
 

@@ -177,5 +177,6 @@ class SpikeGuard:
         self.__dict__.update({k: v for k, v in other.settings().items()})
         self._statistics = list(other._statistics)
         self._settings = None
-        if self._stats is not None:
-            self._stats.copy_(torch.tensor(self._statistics, dtype=torch.float64))
+        if self._stats is not None:  # filled in place: no upload, no host sync
+            for slot, value in zip(self._stats, self._statistics):
+                slot.fill_(value)
