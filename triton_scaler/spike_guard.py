@@ -26,6 +26,9 @@ STATS_LAYOUT = ("count", "mean", "var", "limit", "spike", "spikes", "last_norm",
                 "last_threshold", "last_step", "steps")
 _N_STATS = len(STATS_LAYOUT)
 _SPIKE = STATS_LAYOUT.index("spike")  # a skipping guard's update() reads and zeroes it
+_LIMIT = STATS_LAYOUT.index("limit")
+#: what a watch's report reads: spikes, last_norm, last_threshold, last_step
+_RECORD = slice(STATS_LAYOUT.index("spikes"), STATS_LAYOUT.index("last_step") + 1)
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
@@ -101,7 +104,8 @@ class SpikeGuard:
     def limit(self, norm: torch.Tensor, max_norm: float, backend: str) -> torch.Tensor:
         """One guard step from this step's total ``norm`` (0-d, before clipping): the
         statistics are updated on ``norm``'s device, and the result is this step's max norm
-        (0-d float64: ``max_norm``, or a spike's threshold below it). No host sync."""
+        (0-d float64: ``max_norm``, or a spike's threshold below it). No host sync, but the
+        statistics' one read when ``norm`` is on another device than the last step's."""
         stats = self._stats
         if stats is None or stats.device != norm.device:
             stats = self._stats = torch.tensor(self._statistics if stats is None
@@ -115,7 +119,7 @@ class SpikeGuard:
             self._max_norm = max_norm
         spike_guard_step(stats, self._settings, norm, self.mode == "zscore",
                          self.clip_option == "mean", self.skips, backend)
-        return stats[STATS_LAYOUT.index("limit")]
+        return stats[_LIMIT]
 
     def skip_statistics(self) -> torch.Tensor | None:
         """The device statistics whose spike ``update()`` records as a skipped step and
@@ -130,7 +134,7 @@ class SpikeGuard:
     def spike_record(self) -> torch.Tensor | None:
         """The spikes so far, the last one's norm, threshold and step (a float64 view of the
         device statistics), None before the first step."""
-        return None if self._stats is None else self._stats[5:9]
+        return None if self._stats is None else self._stats[_RECORD]
 
     def statistics(self) -> dict[str, float]:
         """The statistics by name: ``count`` (finite warm-up steps seen), ``mean`` and
