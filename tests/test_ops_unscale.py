@@ -295,6 +295,26 @@ def test_the_check_names_a_grad_off_found_infs_device_or_sparse(backend):
             op([torch.ones(2).to_sparse()], found, one, backend=backend)
 
 
+@pytest.mark.parametrize("bad, error, message", [
+    (lambda: torch.ones(2, dtype=torch.int64), TypeError, r"grads\[2\] has dtype torch.int64"),
+    (lambda: torch.ones(2, device="meta"), ValueError, r"grads\[2\] is on meta but found_inf"),
+    (lambda: torch.ones(2).to_sparse(), TypeError, r"grads\[2\] is sparse"),
+], ids=["int64", "meta", "sparse"])
+def test_a_bad_grad_after_good_ones_is_named_and_nothing_is_written(backend, bad, error,
+                                                                    message):
+    """A grad that the op refuses, after grads it takes (torch's op would have unscaled those
+    already, or on a meta grad done nothing at all), raises by name on both backends with
+    every grad and found_inf as they were."""
+    good = [torch.full((5,), 8.0), torch.full((3,), math.inf)]
+    for op in (ops.non_finite_check_and_unscale_, ops.non_finite_check_):
+        found = torch.zeros(())
+        with pytest.raises(error, match=message):
+            op([*good, bad()], found, torch.full((), 0.5), backend=backend)
+        assert torch.equal(good[0], torch.full((5,), 8.0))
+        assert torch.equal(good[1], torch.full((3,), math.inf))
+        assert torch.equal(found, torch.zeros(()))
+
+
 def _nested(layout: torch.layout) -> torch.Tensor:
     with warnings.catch_warnings():  # the strided layout's "prototype stage" warning
         warnings.simplefilter("ignore", UserWarning)

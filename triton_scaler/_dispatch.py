@@ -41,7 +41,14 @@ from ._backend import resolve_backend, triton_kernels
 from ._bucket import before_backward
 from ._compile import is_traced, run_eagerly
 from ._distributed import add_groups, agree_over_meshes, local_grad
-from ._op_args import PLAIN, as_tensor_list, check_flag, group_grads, nested_grad_error
+from ._op_args import (
+    PLAIN,
+    as_tensor_list,
+    check_before_writing,
+    check_flag,
+    group_grads,
+    nested_grad_error,
+)
 from .policy import ScalePolicy, cached_policy
 
 if TYPE_CHECKING:
@@ -302,8 +309,9 @@ def _unscale_or_check(grads, found_inf, inv_scale, backend, write) -> None:
                     add_groups(mesh_groups, groups)
         plain = PLAIN.issuperset(map(type, grads))
     if resolved == "reference" and write:
-        try:  # torch's op checks the grads itself: no per-tensor Python work when they are fine
-            _reference_unscale(grads, found_inf, inv_scale, write)
+        check_before_writing(grads, device, plain)
+        try:  # torch's op refuses sparse and nested grads before it writes any
+            reference.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
             group_grads(grads, device, plain)  # raises the clearer error, if it finds one
             raise

@@ -10,6 +10,7 @@ import torch
 
 #: The grad dtypes the ops accept: torch's op takes these four (and no others).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)
 _ACCEPTED = "float32, float16, bfloat16 or float64"
 #: The grad types taken as they are; any other (a DTensor) is unwrapped or refused first.
 PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
@@ -52,6 +53,20 @@ _dtype_of, _device_of, _tensor_layout, _is_nested = (
 def nested_grad_error(i: int) -> TypeError:
     return TypeError(f"grads[{i}] is a nested tensor, which neither backend (nor torch's op) "
                      "takes; pass its components (.unbind()) or its values (jagged: .values())")
+
+
+_is_cpu = attrgetter("is_cpu")
+
+
+def check_before_writing(grads: list[torch.Tensor], device: torch.device, plain: bool) -> None:
+    """What torch's op checks only as it comes to each grad, having written the ones before
+    (or, a grad on the meta device among them, writing none and raising nothing): every grad
+    of an accepted dtype on ``device``. C-level passes over plain grads; where one fails, or
+    a grad is not plain, :func:`group_grads` checks each and names the one it refuses."""
+    if not (plain and FLOAT_DTYPE_SET.issuperset(map(_dtype_of, grads)) and
+            (all(map(_is_cpu, grads)) if device.type == "cpu"
+             else set(map(_device_of, grads)) <= {device})):
+        group_grads(grads, device, plain)
 
 
 def group_grads(grads: list[torch.Tensor], device: torch.device, plain: bool):

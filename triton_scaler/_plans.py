@@ -25,6 +25,8 @@ from ._memory import extent, is_dense, overlaps, share_elements
 
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_IS_CHANNELS_LAST = operator.methodcaller("is_contiguous", memory_format=torch.channels_last)
 
 
 class UnscalePlan:
@@ -95,8 +97,11 @@ def build_plan(grads: list[torch.Tensor], numels: tuple[int, ...] | None,
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     dense = grads
     if contiguous is None:
-        contiguous = all(map(torch.Tensor.is_contiguous, grads))
-    if not contiguous:  # channels_last, transposed: their memory as it lies; gapped: copies
+        contiguous = all(map(_IS_CONTIGUOUS, grads))
+    if not contiguous and not all(map(_IS_CHANNELS_LAST, grads)) and \
+            not all(map(operator.or_, map(_IS_CONTIGUOUS, grads), map(_IS_CHANNELS_LAST, grads))):
+        # channels_last grads (C-level passes) and other dense orders (a transpose, checked
+        # in Python) launch over their memory as it lies; gapped grads, as copies
         dense = [g if _is_dense(g) else _copied(g, copies) for g in grads]
         if copies:
             addresses = None
