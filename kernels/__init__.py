@@ -8,6 +8,6 @@ triton only: what each launch helper takes is described here (``unscale.LaunchPl
 
 from . import guard, stats
 from .unscale import launch_unscale
-from .update import bind_update_scale
+from .update import launch_update_scale
 
-__all__ = ["bind_update_scale", "guard", "launch_unscale", "stats"]
+__all__ = ["guard", "launch_unscale", "launch_update_scale", "stats"]

@@ -8,9 +8,6 @@ graph sees later changes to them.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
@@ -18,7 +15,7 @@ import triton.language as tl
 from .launcher import launch
 from .stats import record_watch
 
-__all__ = ["PARAMS_LAYOUT", "bind_update_scale", "update_scale_kernel"]
+__all__ = ["PARAMS_LAYOUT", "launch_update_scale", "update_scale_kernel"]
 
 #: What ``params_ptr`` points to: float64 values in this order (the caller builds the buffer)
 PARAMS_LAYOUT = ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale",
@@ -114,7 +111,7 @@ def _update_scale(scale_ptr, growth_tracker_ptr, hysteresis_tracker_ptr, params_
     tl.store(growth_tracker_ptr, new_tracker)
 
 
-def bind_update_scale(
+def launch_update_scale(
     scale: torch.Tensor,
     growth_tracker: torch.Tensor,
     found_inf: torch.Tensor,
@@ -128,11 +125,10 @@ def bind_update_scale(
     reset_found: bool = False,
     watch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     guard: torch.Tensor | None = None,
-) -> Callable[[], None]:
+) -> None:
     """The update of ``scale`` (0-d fp32), ``growth_tracker`` and ``hysteresis_tracker`` (0-d
     int32) in place from ``found_inf`` and ``params`` (fp64, ``PARAMS_LAYOUT``), all on one
-    device, checked and bound once: each call of the result is that one launch (a scaler's
-    ``update()`` makes the same one every step).
+    device: one launch.
 
     ``found_inf`` is a 0-d fp32 flag, or a 1-D fp32 tensor of flags (one per optimizer, a
     power-of-two count) of which any non-zero one is an overflow. The scaler's whole
@@ -142,8 +138,8 @@ def bind_update_scale(
     watch's ``(stats, overflow, counters)`` (float64, kernels/stats.py's
     :func:`~.stats.record_watch`), recorded before the scale changes. ``guard``: a skipping
     spike guard's statistics (``guard.STATS_LAYOUT``), whose spike is recorded as a skipped
-    step (not an overflow: the scale does not back off) and zeroed. Binding launches
-    nothing; a call is asynchronous: no host synchronisation."""
+    step (not an overflow: the scale does not back off) and zeroed. Asynchronous: no host
+    synchronisation."""
     has_hysteresis = hysteresis_tracker is not None
     n_found = found_inf.numel()
     if n_found & (n_found - 1) or not found_inf.is_contiguous():
@@ -152,7 +148,7 @@ def bind_update_scale(
     record = skipped is not None
     if skipped is not None and skipped.dtype != torch.uint8:
         skipped = skipped.view(torch.uint8)  # the kernel writes the flag's byte
-    return functools.partial(launch, update_scale_kernel, 1, (
+    launch(update_scale_kernel, 1, (
         scale, growth_tracker, found_inf,
         hysteresis_tracker if has_hysteresis else growth_tracker, params,
         skipped if record else found_inf,

@@ -5,7 +5,7 @@ run (tests/test_gpu.py, tests/run_gpu.sh) runs the real launchers."""
 
 import pytest
 import torch
-from triton_scaler.kernels import bind_update_scale, launch_unscale, launcher, unscale, update
+from triton_scaler.kernels import launch_unscale, launch_update_scale, launcher, unscale, update
 
 from triton_scaler._plans import plan_unscale
 from triton_scaler.policy import ScalePolicy
@@ -272,10 +272,10 @@ def test_every_launch_site_names_its_constexprs_in_order(monkeypatch, triton_dev
         launch_unscale(plan_unscale(grads), found, scale)
         launch_unscale(plan_unscale(grads), found, scale, write=False, norm=2)
         launch_unscale(plan_unscale(grads), found, scale, clip_coef=scale, inv_from_scale=True)
-    bind_update_scale(scale, zeros(dtype=torch.int32), zeros(2),
-                      ScalePolicy(hysteresis=2).kernel_params(triton_device),
-                      zeros(dtype=torch.int32) + 1, False, skipped=zeros(dtype=torch.bool),
-                      skipped_count=zeros(dtype=torch.int64), reset_found=True)()
+    launch_update_scale(scale, zeros(dtype=torch.int32), zeros(2),
+                        ScalePolicy(hysteresis=2).kernel_params(triton_device),
+                        zeros(dtype=torch.int32) + 1, False, skipped=zeros(dtype=torch.bool),
+                        skipped_count=zeros(dtype=torch.int64), reset_found=True)
     assert {name for name, *_ in seen} == {"unscale_kernel", "update_scale_kernel"}
     assert len(seen) >= 5
 

@@ -30,7 +30,7 @@ its schema says, except ``unscale_norm_``, which returns the norm partial:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -180,7 +180,7 @@ def scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torc
                   skipped: torch.Tensor, skipped_count: torch.Tensor,
                   params: torch.Tensor, backend: str, skipped_bytes: torch.Tensor | None = None,
                   watch: Any = None, guard: torch.Tensor | None = None) -> None:
-    """:meth:`GradScaler.update`'s one launch (:func:`bind_scaler_update`), a ``watch``'s
+    """:meth:`GradScaler.update`'s one launch (:func:`run_scaler_update`), a ``watch``'s
     record (a :class:`~.telemetry.GradWatch`) included; ``skipped_bytes``: ``skipped``'s
     ``uint8`` view, when made. Traced code records for the watch in torch's ops, then calls
     the registered op, handed this iteration's overflow as a flag of its own, the flags
@@ -188,11 +188,11 @@ def scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torc
     the scale's buffer). ``guard``: a skipping spike guard's statistics (its spike skipped
     the step: recorded, not an overflow)."""
     if not is_traced():
-        bind_scaler_update(
+        run_scaler_update(
             scale, growth_tracker, flags, policy, hysteresis_tracker=hysteresis_tracker,
             skipped=skipped if skipped_bytes is None else skipped_bytes,
             skipped_count=skipped_count, backend=backend, params=params,
-            watch=None if watch is None else watch.update_tensors(scale.device), guard=guard)()
+            watch=None if watch is None else watch.update_tensors(scale.device), guard=guard)
         return
     if watch is not None:  # the overflow and the scale it came at
         stats, overflow, counters = watch.update_tensors(scale.device)
@@ -207,59 +207,48 @@ def scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torc
     flags.zero_()
 
 
-def bind_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
-                       policy: ScalePolicy, *, hysteresis_tracker: torch.Tensor | None,
-                       skipped: torch.Tensor, skipped_count: torch.Tensor, backend: str,
-                       params: torch.Tensor | None,
-                       watch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                       guard: torch.Tensor | None = None) -> Callable[[], None]:
-    """The whole of :meth:`GradScaler.update` on the device, bound: each call of the result
-    is one update. An overflow is any non-zero entry of ``flags`` (1-D fp32, one per
-    optimizer); it is recorded in ``skipped`` (0-d bool, or its ``uint8`` view, made once by
-    the scaler) and ``skipped_count`` (0-d int64) when ``policy.skip_on_overflow``, the scale
-    is updated when ``policy.dynamic``, and ``flags`` is zeroed; ``watch``: a watch's
-    ``(stats, overflow, counters)`` record the iteration first (:func:`reference.record_watch_`;
-    on Triton in the update's own launch when they are on the scale's device); ``guard``: a
-    skipping spike guard's statistics, whose spike is recorded in ``skipped`` and
-    ``skipped_count`` (not an overflow) and zeroed. One launch per
-    call on Triton (a watch's tensors on another device: their record's ops before it); no
-    host sync."""
+def run_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torch.Tensor,
+                      policy: ScalePolicy, *, hysteresis_tracker: torch.Tensor | None,
+                      skipped: torch.Tensor, skipped_count: torch.Tensor, backend: str,
+                      params: torch.Tensor | None,
+                      watch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                      guard: torch.Tensor | None = None) -> None:
+    """The whole of :meth:`GradScaler.update` on the device. An overflow is any non-zero entry
+    of ``flags`` (1-D fp32, one per optimizer); it is recorded in ``skipped`` (0-d bool, or
+    its ``uint8`` view, made once by the scaler) and ``skipped_count`` (0-d int64) when
+    ``policy.skip_on_overflow``, the scale is updated when ``policy.dynamic``, and ``flags``
+    is zeroed; ``watch``: a watch's ``(stats, overflow, counters)`` record the iteration
+    first (:func:`reference.record_watch_`; on Triton in the update's own launch when they
+    are on the scale's device); ``guard``: a skipping spike guard's statistics, whose spike
+    is recorded in ``skipped`` and ``skipped_count`` (not an overflow) and zeroed. One launch
+    on Triton (a watch's tensors on another device: their record's ops before it); no host
+    sync."""
+    spiked = None if guard is None else guard[_GUARD_SPIKE] != 0
     if resolve_backend(backend, scale.device) == "triton":
         in_launch = watch is not None and watch[0].device == scale.device
-        update = triton_kernels().bind_update_scale(
+        if watch is not None and not in_launch:
+            reference.record_watch_(flags, policy.skip_on_overflow, scale, *watch,
+                                    spiked=spiked)
+        triton_kernels().launch_update_scale(
             scale, growth_tracker, flags,
             policy.kernel_params(scale.device) if params is None else params,
             hysteresis_tracker, policy.consecutive_hysteresis, dynamic=policy.dynamic,
             skipped=skipped if policy.skip_on_overflow else None,
             skipped_count=skipped_count, reset_found=True, watch=watch if in_launch else None,
             guard=guard)
-        if watch is None or in_launch:
-            return update
-
-        def record_and_update() -> None:
-            reference.record_watch_(flags, policy.skip_on_overflow, scale, *watch,
-                                    spiked=None if guard is None else guard[_GUARD_SPIKE] != 0)
-            update()
-
-        return record_and_update
-
-    def reference_update() -> None:
-        spiked = None if guard is None else guard[_GUARD_SPIKE] != 0
-        if watch is not None:
-            reference.record_watch_(flags, policy.skip_on_overflow, scale, *watch, spiked=spiked)
-        found = (flags != 0).any()
-        if policy.skip_on_overflow:
-            skips = found if spiked is None else found | spiked
-            skipped.copy_(skips)
-            skipped_count.add_(skips)
-        if guard is not None:
-            guard[_GUARD_SPIKE].zero_()
-        if policy.dynamic:
-            reference.update_scale_(scale, growth_tracker, found.float(), policy,
-                                    hysteresis_tracker)
-        flags.zero_()
-
-    return reference_update
+        return
+    if watch is not None:
+        reference.record_watch_(flags, policy.skip_on_overflow, scale, *watch, spiked=spiked)
+    found = (flags != 0).any()
+    if policy.skip_on_overflow:
+        skips = found if spiked is None else found | spiked
+        skipped.copy_(skips)
+        skipped_count.add_(skips)
+    if guard is not None:
+        guard[_GUARD_SPIKE].zero_()
+    if policy.dynamic:
+        reference.update_scale_(scale, growth_tracker, found.float(), policy, hysteresis_tracker)
+    flags.zero_()
 
 
 # ---------------------------------------------------------------- the public ops' work
@@ -356,8 +345,8 @@ def update_scale(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: t
     if resolve_backend(backend, scale.device) == "triton":
         if params is None:
             params = policy.kernel_params(scale.device)
-        triton_kernels().bind_update_scale(scale, growth_tracker, found_inf, params,
-                                           hysteresis_tracker, policy.consecutive_hysteresis)()
+        triton_kernels().launch_update_scale(scale, growth_tracker, found_inf, params,
+                                             hysteresis_tracker, policy.consecutive_hysteresis)
     else:
         reference.update_scale_(scale, growth_tracker, found_inf, policy, hysteresis_tracker)
 
@@ -449,10 +438,9 @@ def _scaler_update_impl(scale: torch.Tensor, growth_tracker: torch.Tensor, flags
                            consecutive_hysteresis=consecutive_hysteresis, min_scale=min_scale,
                            max_scale=max_scale, dynamic=dynamic,
                            skip_on_overflow=skip_on_overflow)
-    bind_scaler_update(scale, growth_tracker, flags, policy,
-                       hysteresis_tracker=hysteresis_tracker, skipped=skipped.view(torch.uint8),
-                       skipped_count=skipped_count, backend=backend, params=params,
-                       guard=guard)()
+    run_scaler_update(scale, growth_tracker, flags, policy,
+                      hysteresis_tracker=hysteresis_tracker, skipped=skipped.view(torch.uint8),
+                      skipped_count=skipped_count, backend=backend, params=params, guard=guard)
 
 
 def _before_backward_impl(token: torch.Tensor) -> None:
