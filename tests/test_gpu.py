@@ -19,6 +19,23 @@ def _grads(sizes, dtype, device, seed=0):
     return [(torch.randn(n, device=device, generator=gen) * 3000).to(dtype) for n in sizes]
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("bad", ["cpu", "int64"])
+def test_a_bad_grad_after_good_cuda_ones_is_named_and_nothing_is_written(cuda, backend, bad):
+    """On CUDA, where torch's op unscales grads one by one until it meets one it refuses, a
+    grad on the CPU or of an int dtype after good ones raises by name with every grad and
+    found_inf as they were, on both backends."""
+    good = [torch.full((5,), 8.0, device=cuda), torch.full((3,), math.inf, device=cuda)]
+    other = torch.ones(2) if bad == "cpu" else torch.ones(2, dtype=torch.int64, device=cuda)
+    found = torch.zeros((), device=cuda)
+    with pytest.raises((TypeError, ValueError), match=r"grads\[2\]"):
+        ops.non_finite_check_and_unscale_([*good, other], found,
+                                          torch.full((), 0.5, device=cuda), backend=backend)
+    assert torch.equal(good[0].cpu(), torch.full((5,), 8.0))
+    assert torch.equal(good[1].cpu(), torch.full((3,), math.inf))
+    assert found.item() == 0.0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 @pytest.mark.parametrize("special", [math.inf, -math.inf, math.nan, None])
 @pytest.mark.parametrize("n_tensors", [1, 3, 300])
