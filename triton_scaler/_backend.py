@@ -41,8 +41,8 @@ loaded_kernels: ModuleType | None = None
 def triton_kernels() -> ModuleType:
     """The ``triton_scaler.kernels`` package: imported (with triton) on the first call, then
     a global read. The hot paths reach the kernels through this rather than an ``import``
-    statement, which costs ~10 us a call with the host's caches cold (a training step's
-    forward and backward leave them so). ``RuntimeError`` for a triton older than
+    statement, which costs host time on every call with the host's caches cold (a training
+    step's forward and backward leave them so). ``RuntimeError`` for a triton older than
     :data:`MIN_TRITON`."""
     global loaded_kernels
     if loaded_kernels is None:

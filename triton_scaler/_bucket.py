@@ -175,12 +175,6 @@ class GradBucket:
             self._version += writes - accumulations
             self._forgotten_writes += writes - accumulations  # (still writes for DDP's)
 
-    def accumulated_in_views(self) -> bool:
-        """O(1): every accumulation since :meth:`checked` can have gone into a view (each
-        bumps the buffer's version; other writes only add). False when one made a new grad."""
-        writes, accumulations = self._writes_and_accumulations()
-        return writes >= accumulations
-
     def all_views_in_place(self) -> bool:
         """O(1): every parameter's grad is still a live view of the buffer, by the storage's
         reference count (another tensor over the buffer kept alive, ``p.grad.view(-1)``,

@@ -184,7 +184,7 @@ def scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: torc
     record (a :class:`~.telemetry.GradWatch`) included; ``skipped_bytes``: ``skipped``'s
     ``uint8`` view, when made. Traced code records for the watch in torch's ops, then calls
     the registered op, handed this iteration's overflow as a flag of its own, the flags
-    zeroed after it (inductor in older torch mistranslated a copy of the flags, a view of
+    zeroed after it (torch 2.8's inductor mistranslated a copy of the flags, a view of
     the scale's buffer). ``guard``: a skipping spike guard's statistics (its spike skipped
     the step: recorded, not an overflow)."""
     if not is_traced():
@@ -268,8 +268,8 @@ def unscale_or_check(grads: Sequence[torch.Tensor], found_inf: torch.Tensor,
 
 
 def _plain_tensors(tensors: Sequence) -> bool:
-    """Whether each item is a plain tensor or parameter (a loop, not ``all(...)``: older
-    dynamo versions cannot inline a generator there)."""
+    """Whether each item is a plain tensor or parameter (a loop, not ``all(...)``: torch
+    2.8's dynamo cannot inline a generator there)."""
     for t in tensors:
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
             return False

@@ -66,7 +66,7 @@ class UnscalePlan:
 
 
 #: Grads whose shared-memory check sorts their addresses in Python: up to here that costs
-#: less than the tensor ops' check (:func:`_ranges_overlap`, about 55 us on a 2-core VM).
+#: less than the tensor ops' check (:func:`_ranges_overlap`, a few tensor ops on the host).
 _FEW = 160
 
 

@@ -94,7 +94,7 @@ class ScalerState(torch.amp.GradScaler):
     def _init_device_state(self, dev: torch.device) -> None:
         """The device state beside ``_scale`` and ``_growth_tracker`` (made just before).
         Made in code that torch.compile traces, no views are kept, as a compiled graph's
-        outputs may not keep them (inductor in older torch): the flags are then a tensor of
+        outputs may not keep them (torch 2.8's inductor): the flags are then a tensor of
         their own and step()'s host read stacks the scale and a flag."""
         buffered = not is_traced()
         self._slots_taken = 0
@@ -118,7 +118,7 @@ class ScalerState(torch.amp.GradScaler):
                                            device=dev)
         self._last_step_skipped = torch.zeros((), dtype=torch.bool, device=dev)
         # what update()'s kernel writes, the flag's byte, viewed once (not a view per step);
-        # state made in traced code leaves it to the eager update (inductor in older torch
+        # state made in traced code leaves it to the eager update (torch 2.8's inductor
         # cannot view a bool as uint8)
         self._last_step_skipped_bytes = self._last_step_skipped.view(torch.uint8) \
             if buffered else None

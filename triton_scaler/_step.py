@@ -16,7 +16,7 @@ _STEP_SIGNATURE_ATTR = "_triton_scaler_step_takes_grad_scaler"
 @never_traced  # inspect and the optimizer's __dict__: host work, never in a graph
 def step_takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` has a ``grad_scaler`` parameter (torch's deprecated fused
-    contract). torch asks ``inspect.signature`` at every fused step (~7 us); the answer is
+    contract). torch asks ``inspect.signature`` at every fused step; the answer is
     remembered on the optimizer for its current step function (a replaced ``step`` is asked
     again). Kept on the optimizer itself, not in a weak map, so that a ``step`` closure
     holding the optimizer cannot keep it alive."""

@@ -108,7 +108,7 @@ def _lists_of_tensors(outputs: Any) -> bool:
         return True
     if not isinstance(outputs, (list, tuple)):
         return False
-    for item in outputs:  # a loop: older dynamo versions cannot inline all(...) here
+    for item in outputs:  # a loop: torch 2.8's dynamo cannot inline all(...) here
         if not _lists_of_tensors(item):
             return False
     return True
@@ -390,8 +390,8 @@ class GradScaler(ScalerState):
         inv_for = PerDevice(self._scale if from_scale else inv_scale)
         found_for = PerDevice(found_inf, copies=copy_found_inf)
         # torch.no_grad() as torch's _unscale_grads_, through the C call that torch's
-        # set_grad_enabled makes: the context manager's Python machinery costs ~20 us a step
-        # with cold caches, set_grad_enabled's own object a few
+        # set_grad_enabled makes, without the context manager's Python machinery (host time
+        # every step, the more with the host's caches cold)
         grad_mode = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
