@@ -505,15 +505,16 @@ def test_one_launch_more_than_the_plain_clip(interpreter, monkeypatch, buckets):
             with _launches(monkeypatch) as launched, _Ops() as ops:
                 scaler.clip_grad_norm_(opt, 1.0)
             scaler.step(opt)
-            with _launches(monkeypatch) as updated:
+            with _launches(monkeypatch) as updated, _Ops() as update_ops:
                 scaler.update()
             held.zero_() if held is not None else opt.zero_grad()
         assert dict(updated) == {"update": 1}
-        return dict(launched), sum(ops.ops.values())
+        return dict(launched), sum(ops.ops.values()), sum(update_ops.ops.values())
 
     for n_params in (2, 9):
-        plain, plain_ops = counts(None, n_params)
+        plain, plain_ops, plain_update_ops = counts(None, n_params)
         for action in ("clip", "skip"):
-            guarded, guarded_ops = counts(SpikeGuard(action=action), n_params)
+            guarded, guarded_ops, update_ops = counts(SpikeGuard(action=action), n_params)
             assert guarded == {**plain, "guard": 1}
             assert 0 < guarded_ops - plain_ops <= 6, (plain_ops, guarded_ops)
+            assert update_ops == plain_update_ops, (plain_update_ops, update_ops)

@@ -223,12 +223,11 @@ def run_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: 
     is recorded in ``skipped`` and ``skipped_count`` (not an overflow) and zeroed. One launch
     on Triton (a watch's tensors on another device: their record's ops before it); no host
     sync."""
-    spiked = None if guard is None else guard[_GUARD_SPIKE] != 0
-    if resolve_backend(backend, scale.device) == "triton":
+    if resolve_backend(backend, scale.device) == "triton":  # the guard's spike read in-launch
         in_launch = watch is not None and watch[0].device == scale.device
         if watch is not None and not in_launch:
             reference.record_watch_(flags, policy.skip_on_overflow, scale, *watch,
-                                    spiked=spiked)
+                                    spiked=None if guard is None else guard[_GUARD_SPIKE] != 0)
         triton_kernels().launch_update_scale(
             scale, growth_tracker, flags,
             policy.kernel_params(scale.device) if params is None else params,
@@ -237,6 +236,7 @@ def run_scaler_update(scale: torch.Tensor, growth_tracker: torch.Tensor, flags: 
             skipped_count=skipped_count, reset_found=True, watch=watch if in_launch else None,
             guard=guard)
         return
+    spiked = None if guard is None else guard[_GUARD_SPIKE] != 0
     if watch is not None:
         reference.record_watch_(flags, policy.skip_on_overflow, scale, *watch, spiked=spiked)
     found = (flags != 0).any()
