@@ -10,7 +10,6 @@ import torch
 
 #: The grad dtypes the ops accept: torch's op takes these four (and no others).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)
 _ACCEPTED = "float32, float16, bfloat16 or float64"
 #: The grad types taken as they are; any other (a DTensor) is unwrapped or refused first.
 PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
@@ -58,14 +57,20 @@ def nested_grad_error(i: int) -> TypeError:
 _is_cpu = attrgetter("is_cpu")
 
 
+def _all_on(grads: list[torch.Tensor], device: torch.device) -> bool:
+    """Every grad on ``device``, in a C-level pass (on the CPU ``is_cpu``, which makes no
+    device object per grad)."""
+    return all(map(_is_cpu, grads)) if device.type == "cpu" else \
+        set(map(_device_of, grads)) <= {device}
+
+
 def check_before_writing(grads: list[torch.Tensor], device: torch.device, plain: bool) -> None:
     """What torch's op checks only as it comes to each grad, having written the ones before
     (or, a grad on the meta device among them, writing none and raising nothing): every grad
     of an accepted dtype on ``device``. C-level passes over plain grads; where one fails, or
     a grad is not plain, :func:`group_grads` checks each and names the one it refuses."""
-    if not (plain and FLOAT_DTYPE_SET.issuperset(map(_dtype_of, grads)) and
-            (all(map(_is_cpu, grads)) if device.type == "cpu"
-             else set(map(_device_of, grads)) <= {device})):
+    if not (plain and set(map(_dtype_of, grads)).issubset(FLOAT_DTYPES)
+            and _all_on(grads, device)):
         group_grads(grads, device, plain)
 
 
@@ -75,7 +80,7 @@ def group_grads(grads: list[torch.Tensor], device: torch.device, plain: bool):
     Tensor or Parameter, as the caller found) of one dtype on ``device``, is checked in
     C-level passes (half the per-grad loop's host time at 1000 grads)."""
     if (plain and len(dtypes := set(map(_dtype_of, grads))) == 1
-            and dtypes.issubset(FLOAT_DTYPES) and set(map(_device_of, grads)) == {device}
+            and dtypes.issubset(FLOAT_DTYPES) and _all_on(grads, device)
             and set(map(_tensor_layout, grads)) == {torch.strided}
             and not any(map(_is_nested, grads))):
         return [grads]
